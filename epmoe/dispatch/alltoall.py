@@ -1,0 +1,84 @@
+"""`alltoall` dispatcher: a count exchange, then `all_to_all_single` moving one copy per
+(token, destination rank); combine reduces per (token, rank) at the destination and sends one row
+back per pair, summed at the source. Portable: gloo, NCCL, one host or many.
+
+Shape letters: T tokens on this rank, D hidden size, K top-k, R ranks, L local experts,
+S (token, rank) pairs sent, P rows received, N (row, slot) pairs for this rank's experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..interfaces import Dispatcher, ExpertBatch, Layout
+from ._layout import PairOrder, sort_pairs, weighted_sum_to_rows
+
+
+@dataclass(frozen=True)
+class AllToAllHandle:
+    send_token_S: torch.Tensor  # int64 [S], source token of each sent row, grouped by destination
+    send_counts: list[int]  # [R] rows sent to each rank
+    recv_counts: list[int]  # [R] rows received from each rank
+    order: PairOrder
+    recv_ids_PK: torch.Tensor  # int32 [P, K], ids local to this rank, -1 for other ranks' experts
+    recv_weights_PK: torch.Tensor  # float32 [P, K]
+    num_tokens: int
+
+
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    return recv
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Two host syncs per dispatch (the pair list and the count exchange) and one for the row count.
+
+    Rows travel packed as bytes: [x row | K local ids (int32) | K weights (float32)], one collective.
+    """
+
+    name = "alltoall"
+    layout = Layout.CONTIGUOUS
+
+    def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:
+        R, L, g = self.world_size, self.num_local_experts, self.group
+        T, D = x_TD.shape
+        K = ids_TK.shape[1]
+        dev = x_TD.device
+        ids_TK = ids_TK.to(torch.int32)
+        dest_TK = torch.where(ids_TK >= 0, ids_TK // L, R).long()
+        wants_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)[:, :R]
+        pairs = wants_TR.t().nonzero()  # host sync; (rank, token) sorted by rank, then token
+        send_rank_S, send_token_S = pairs[:, 0], pairs[:, 1]
+        send_counts_R = wants_TR.sum(0)
+        recv_counts_R = torch.empty_like(send_counts_R)
+        dist.all_to_all_single(recv_counts_R, send_counts_R, group=g)
+        send_counts, recv_counts = send_counts_R.tolist(), recv_counts_R.tolist()  # host sync
+
+        local_SK = ids_TK[send_token_S] - (send_rank_S * L).unsqueeze(1).to(torch.int32)
+        local_SK = torch.where((ids_TK[send_token_S] >= 0) & (local_SK >= 0) & (local_SK < L), local_SK, -1)
+        packed = torch.cat([x_TD[send_token_S].view(torch.uint8).reshape(-1, x_TD.element_size() * D),
+                            local_SK.view(torch.uint8).reshape(-1, 4 * K),
+                            weights_TK[send_token_S].view(torch.uint8).reshape(-1, 4 * K)], dim=1)
+        recv = _exchange(packed, send_counts, recv_counts, g)
+        xb = x_TD.element_size() * D
+        recv_x = recv[:, :xb].contiguous().view(x_TD.dtype)
+        recv_ids = recv[:, xb:xb + 4 * K].contiguous().view(torch.int32)
+        recv_w = recv[:, xb + 4 * K:].contiguous().view(torch.float32)
+
+        order = sort_pairs(recv_ids, L)
+        n = int(order.offsets_L1[-1])  # host sync: size the batch to the valid rows
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=recv_x[order.row_N[:n]], x_scale=None,
+                           counts_L=order.counts_L, offsets_L1=order.offsets_L1,
+                           handle=AllToAllHandle(send_token_S, send_counts, recv_counts, order,
+                                                 recv_ids, recv_w, T))
+
+    def _combine(self, y, batch) -> torch.Tensor:
+        h: AllToAllHandle = batch.handle
+        rows = weighted_sum_to_rows(y, h.order, h.recv_weights_PK, h.recv_ids_PK, h.recv_ids_PK.shape[0])
+        back = _exchange(rows.to(self.cfg.dtype), h.recv_counts, h.send_counts, self.group)
+        out = torch.zeros(h.num_tokens, self.cfg.hidden_size, dtype=torch.float32, device=y.device)
+        out.index_add_(0, h.send_token_S, back.float())
+        return out.to(self.cfg.dtype)

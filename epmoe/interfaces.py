@@ -1,0 +1,220 @@
+"""The two interfaces a MoE layer is composed of: a Dispatcher and an Experts implementation.
+
+Shape letters: T tokens on this rank, D hidden size, F expert intermediate size, E global experts,
+L local experts, K top-k, N rows of a contiguous batch, M rows per expert slot of a batched batch,
+G = ceil(D / 128) fp8 scale groups per row.
+
+Data flow:  dispatch(x_TD, ids_TK, weights_TK) -> ExpertBatch -> experts(batch) -> y -> combine(y, batch)
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .config import MoEConfig
+
+
+class Layout(enum.Enum):
+    """How an ExpertBatch lays out its rows.
+
+    CONTIGUOUS: x is [N, D]; rows of local expert l are x[offsets_L1[l] : offsets_L1[l+1]]; rows at or
+        past offsets_L1[L] are padding that experts may skip and combine ignores.
+    BATCHED: x is [L, M, D]; rows of local expert l are x[l, :counts_L[l]]; the rest is padding.
+    """
+
+    CONTIGUOUS = "contiguous"
+    BATCHED = "batched"
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """The rows one rank's experts must process, as produced by `Dispatcher.dispatch`.
+
+    Attributes:
+        layout: Layout of `x` (see Layout).
+        x: activations, contiguous [N, D] or batched [L, M, D]; dtype cfg.dtype, or float8_e4m3fn when
+            the dispatcher quantized on the way (then `x_scale` is set).
+        x_scale: None, or float32 [N, G] / [L, M, G]: per token, per 128 columns, x ~= x_fp8 * scale.
+        counts_L: int32 [L] on x's device: rows of each local expert. Device-resident; reading it on the
+            host is a sync.
+        offsets_L1: CONTIGUOUS only (None for BATCHED): int32 [L+1] exclusive prefix sum of counts_L.
+        handle: dispatcher-private routing state that `combine` consumes; never modify it.
+    """
+
+    layout: Layout
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    counts_L: torch.Tensor
+    offsets_L1: torch.Tensor | None
+    handle: Any
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.counts_L.shape[0]
+
+
+def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    """Refuse malformed dispatch input with ValueError before any communication starts.
+
+    Reads ids_TK's min and max on the host (one sync) to check the range.
+    """
+    D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
+    if x_TD.dim() != 2 or x_TD.shape[1] != D:
+        raise ValueError(f"x_TD must be [T, D={D}], got {tuple(x_TD.shape)}")
+    if x_TD.dtype != cfg.dtype:
+        raise ValueError(f"x_TD dtype {x_TD.dtype} does not match cfg.dtype {cfg.dtype}")
+    T = x_TD.shape[0]
+    if ids_TK.shape != (T, K):
+        raise ValueError(f"ids_TK must be [T={T}, K={K}], got {tuple(ids_TK.shape)}")
+    if weights_TK.shape != (T, K):
+        raise ValueError(f"weights_TK must be [T={T}, K={K}], got {tuple(weights_TK.shape)}")
+    if ids_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids_TK must be int32 or int64, got {ids_TK.dtype}")
+    if not weights_TK.is_floating_point():
+        raise ValueError(f"weights_TK must be a float tensor, got {weights_TK.dtype}")
+    for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
+        if t.device != x_TD.device:
+            raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
+    if T and ids_TK.numel():
+        lo, hi = int(ids_TK.min()), int(ids_TK.max())  # host sync
+        if lo < -1 or hi >= E:
+            bad = lo if lo < -1 else hi
+            raise ValueError(f"ids_TK holds expert id {bad}, outside [-1, E={E})")
+
+
+class Dispatcher(ABC):
+    """Moves tokens to the ranks owning their experts and brings the weighted results back.
+
+    Subclasses declare `name`, `layout`, `supports_fp8_dispatch` and implement `_dispatch`/`_combine`;
+    the public methods validate first. No per-call state is kept on `self`: everything combine needs
+    travels in the returned ExpertBatch's handle. All ranks of the group must call dispatch and
+    combine the same number of times, in the same order (T may differ, and may be 0).
+    """
+
+    name: ClassVar[str]
+    layout: ClassVar[Layout]
+    supports_fp8_dispatch: ClassVar[bool] = False
+    needs_host_sync: ClassVar[bool] = True
+
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, **options: Any) -> None:
+        if options:
+            raise ValueError(f"dispatcher {self.name!r} takes no options {sorted(options)}")
+        self.cfg = cfg
+        self.group = group
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.num_local_experts = cfg.local_experts(self.world_size)
+        self.first_expert = self.rank * self.num_local_experts
+
+    @classmethod
+    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | None) -> tuple[bool, str]:
+        """(available, reason) for this config and group, without side effects."""
+        if group is None:
+            return False, "needs a process group"
+        world = dist.get_world_size(group)
+        if cfg.num_experts % world:
+            return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+        return True, "ok"
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
+        """Send each token to the ranks owning its experts.
+
+        Args:
+            x_TD: [T, D] activations in cfg.dtype (T may be 0).
+            ids_TK: int32/int64 [T, K] global expert ids in [0, E); -1 means "no expert" and is skipped.
+            weights_TK: float [T, K] routing weights, applied in combine (fp32 accumulation).
+
+        Returns:
+            ExpertBatch in this dispatcher's layout, holding this rank's local experts' rows.
+        """
+        check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+        return self._dispatch(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+
+    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        """Return expert outputs to their source ranks and sum them per token with the top-k weights.
+
+        Args:
+            y: expert outputs in `batch`'s layout ([N, D] or [L, M, D]) and cfg.dtype.
+            batch: the ExpertBatch this dispatcher returned for the same call.
+
+        Returns:
+            out_TD: [T, D] in cfg.dtype, in the order x_TD had; a token with no expert gets zeros.
+        """
+        if y.shape != batch.x.shape:
+            raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.x.shape)}")
+        if y.dtype != self.cfg.dtype:
+            raise ValueError(f"expert output dtype {y.dtype} does not match cfg.dtype {self.cfg.dtype}")
+        return self._combine(y, batch)
+
+    @abstractmethod
+    def _dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
+        ...
+
+    @abstractmethod
+    def _combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        ...
+
+
+class Experts(ABC):
+    """Runs the local experts, y = (silu(x W1^T) * (x W3^T)) W2^T per expert, on an ExpertBatch.
+
+    Subclasses declare `name`, the `layouts` they accept and `quants` (cfg.quant values) they support.
+    """
+
+    name: ClassVar[str]
+    layouts: ClassVar[frozenset[Layout]]
+    quants: ClassVar[frozenset[str | None]]
+
+    def __init__(self, cfg: MoEConfig, num_local_experts: int, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.num_local_experts = num_local_experts
+        self.device = torch.device(device)
+
+    @classmethod
+    def availability(cls, cfg: MoEConfig, device: torch.device) -> tuple[bool, str]:
+        """(available, reason) for this config on `device`, without side effects."""
+        if cfg.quant not in cls.quants:
+            return False, f"quant={cfg.quant!r} not supported"
+        return True, "ok"
+
+    def load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
+        """Take this rank's expert weights (N = 2F: F gate rows, then F up rows) and prepare them once."""
+        L, F, D = self.num_local_experts, self.cfg.intermediate_size, self.cfg.hidden_size
+        if w13_LND.shape != (L, 2 * F, D):
+            raise ValueError(f"w13 must be [L={L}, 2F={2 * F}, D={D}], got {tuple(w13_LND.shape)}")
+        if w2_LDF.shape != (L, D, F):
+            raise ValueError(f"w2 must be [L={L}, D={D}, F={F}], got {tuple(w2_LDF.shape)}")
+        for name, w in (("w13", w13_LND), ("w2", w2_LDF)):
+            if not w.is_floating_point() or w.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"{name} must be unquantized floating point weights, got {w.dtype}")
+        self._load(w13_LND.to(self.device), w2_LDF.to(self.device))
+
+    def __call__(self, batch: ExpertBatch) -> torch.Tensor:
+        """y in batch's layout and shape, dtype cfg.dtype; rows past the counts are unspecified."""
+        if batch.layout not in self.layouts:
+            raise ValueError(f"experts {self.name!r} do not accept the {batch.layout.value} layout")
+        if batch.num_local_experts != self.num_local_experts:
+            raise ValueError(
+                f"batch has {batch.num_local_experts} local experts, experts hold {self.num_local_experts}")
+        return self._forward(batch)
+
+    @abstractmethod
+    def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
+        ...
+
+    @abstractmethod
+    def _forward(self, batch: ExpertBatch) -> torch.Tensor:
+        ...
+
+
+def check_pairing(dispatcher: Dispatcher | type[Dispatcher], experts: Experts | type[Experts]) -> None:
+    """The one place where a dispatcher's layout is checked against what an experts implementation takes."""
+    if dispatcher.layout not in experts.layouts:
+        accepted = sorted(layout.value for layout in experts.layouts)
+        raise ValueError(f"dispatcher {dispatcher.name!r} produces the {dispatcher.layout.value} layout, "
+                         f"experts {experts.name!r} accept only {accepted}")

@@ -1,0 +1,81 @@
+"""Start N ranks on this machine (gloo on CPU, NCCL on GPUs), or join a torchrun launch.
+
+    results = epmoe.launch.spawn(fn, nprocs=2, device="cpu", args=(...))  # fn(ctx, *args) on each rank
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank's function is given: its rank, the world size, its device and the process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_rank(rank: int, world_size: int, device_type: str, init_method: str) -> RankContext:
+    """Initialize the default process group for one rank and return its context."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    kwargs = {"device_id": device} if device_type == "cuda" else {}
+    dist.init_process_group(_backend(device_type), init_method=init_method, rank=rank,
+                            world_size=world_size, **kwargs)
+    return RankContext(rank, world_size, device, dist.group.WORLD)
+
+
+def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
+            queue) -> None:
+    ctx = init_rank(rank, world_size, device_type, init_method)
+    try:
+        result = fn(ctx, *args)
+        queue.put((rank, result))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = ()) -> list[Any]:
+    """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank.
+
+    fn must be importable (defined at module level) and its results picklable. Raises if any rank fails.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if device == "cuda" and torch.cuda.device_count() < nprocs:
+        raise ValueError(f"{nprocs} ranks need {nprocs} GPUs, found {torch.cuda.device_count()}")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue), nprocs=nprocs,
+                       join=True, start_method="spawn")
+    results = dict(queue.get() for _ in range(nprocs))
+    return [results[r] for r in range(nprocs)]
+
+
+def from_torchrun(device_type: str) -> RankContext:
+    """Join a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from torchrun)."""
+    return init_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device_type, "env://")

@@ -1,0 +1,133 @@
+"""FusedMoE: route -> dispatch -> experts -> combine (+ shared experts), composed in one place.
+
+Shape letters: T tokens on this rank, D hidden size, F intermediate size, E global experts,
+L local experts, K top-k.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F_
+
+from .config import MoEConfig
+from .interfaces import check_pairing, check_tokens
+from .registry import default_device, make_dispatcher, make_experts
+from .routing import route
+
+
+class GatedMLP(torch.nn.Module):
+    """A dense SiLU-gated MLP, out = (silu(x W1^T) * (x W3^T)) W2^T; usable as FusedMoE's shared experts.
+
+    Weights: w13 [2F, D] (F gate rows, then F up rows), w2 [D, F].
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.w13 = torch.nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+                                      requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype, device=device),
+                                     requires_grad=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate, up = (x_TD @ self.w13.t()).chunk(2, dim=-1)
+        return (F_.silu(gate) * up) @ self.w2.t()
+
+
+class FusedMoE(torch.nn.Module):
+    """An expert-parallel MoE layer.
+
+    Args:
+        cfg: shapes, precision and routing settings (the same on every rank).
+        group: process group of the expert-parallel ranks; None = single rank. Rank r of the group
+            owns global experts [r*L, (r+1)*L), L = E / R.
+        dispatcher: a dispatcher name (see `epmoe.list_dispatchers`) or "auto".
+        experts: an experts name (see `epmoe.list_experts`) or "auto".
+        shared_experts: optional module mapping x_TD -> [T, D], added to the routed output (which is
+            scaled by cfg.routed_scaling_factor first); it sees the whole local batch.
+        device: where activations and local weights live (default: current CUDA device, else CPU).
+
+    Construction is collective for dispatchers that set up shared buffers: call it on every rank.
+    """
+
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str = "auto",
+                 experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.group = group
+        self.device = default_device() if device is None else torch.device(device)
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.num_local_experts = cfg.local_experts(self.world_size)
+        self.dispatcher = make_dispatcher(dispatcher, cfg, group)
+        self.experts = make_experts(experts, cfg, self.num_local_experts, self.device)
+        check_pairing(self.dispatcher, self.experts)
+        self.shared_experts = shared_experts
+
+    def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor) -> None:
+        """Load GLOBAL expert weights and keep this rank's slice.
+
+        Args:
+            w13_END: [E, 2F, D], per expert F gate rows then F up rows, in any float dtype.
+            w2_EDF: [E, D, F].
+        """
+        E, F, D = self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.hidden_size
+        if w13_END.shape != (E, 2 * F, D):
+            raise ValueError(f"w13 must be [E={E}, 2F={2 * F}, D={D}], got {tuple(w13_END.shape)}")
+        if w2_EDF.shape != (E, D, F):
+            raise ValueError(f"w2 must be [E={E}, D={D}, F={F}], got {tuple(w2_EDF.shape)}")
+        lo, hi = self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
+        self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
+
+    def _num_chunks(self, T: int, device: torch.device) -> int:
+        """Chunks of at most max_tokens_per_rank, agreed by all ranks (an all-reduce and host sync when R > 1)."""
+        chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
+        if self.world_size == 1:
+            return chunks
+        if not self.dispatcher.needs_host_sync:
+            if T > self.cfg.max_tokens_per_rank:
+                raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
+                                 f"{self.cfg.max_tokens_per_rank} tokens per call, got {T}")
+            return 1
+        n = torch.tensor([chunks], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return int(n.item())  # host sync
+
+    def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
+                weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,
+                correction_bias_E: torch.Tensor | None = None) -> torch.Tensor:
+        """out_TD = routed_scaling_factor * sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ shared_experts(x)).
+
+        Args:
+            x_TD: [T, D] in cfg.dtype, on this layer's device; T may be 0 (the rank still takes part).
+            logits_TE: router logits [T, E], routed with cfg's settings; or else give both
+            weights_TK: float [T, K] and ids_TK: int [T, K] (-1 = no expert) from the caller's own gate.
+            correction_bias_E: float [E], DeepSeek-V3's score correction bias (sigmoid scoring).
+
+        Returns:
+            out_TD: [T, D] in cfg.dtype.
+        """
+        if logits_TE is not None:
+            if weights_TK is not None or ids_TK is not None:
+                raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
+            weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
+        elif weights_TK is None or ids_TK is None:
+            raise ValueError("give logits_TE, or both weights_TK and ids_TK")
+        if x_TD.device != self.device:
+            raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+        T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
+        chunks = self._num_chunks(T, x_TD.device)
+        out_TD = torch.empty_like(x_TD)
+        for c in range(chunks):
+            lo, hi = min(c * step, T), min((c + 1) * step, T)
+            batch = self.dispatcher.dispatch(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
+        if self.cfg.routed_scaling_factor != 1.0:
+            out_TD.mul_(self.cfg.routed_scaling_factor)
+        if self.shared_experts is not None:
+            out_TD += self.shared_experts(x_TD)
+        return out_TD

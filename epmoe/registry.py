@@ -1,0 +1,101 @@
+"""Names -> implementations, and the one place that decides what is available.
+
+Every dispatcher and experts implementation is listed here by name; `list_dispatchers` and
+`list_experts` report each with (available, reason) without constructing anything.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from .config import MoEConfig
+from .interfaces import Dispatcher, Experts
+
+_DISPATCHERS = {
+    "local": "epmoe.dispatch.local:LocalDispatcher",
+    "allgather": "epmoe.dispatch.allgather:AllGatherDispatcher",
+    "alltoall": "epmoe.dispatch.alltoall:AllToAllDispatcher",
+}
+_EXPERTS = {
+    "reference": "epmoe.experts.reference:ReferenceExperts",
+}
+# "auto" prefers the first available name in this order.
+_AUTO_DISPATCH_ORDER = ("local", "alltoall", "allgather")
+_AUTO_EXPERTS_ORDER = ("reference",)
+
+
+def _load(path: str):
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def dispatcher_class(name: str) -> type[Dispatcher]:
+    if name not in _DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(_DISPATCHERS)} or 'auto'")
+    return _load(_DISPATCHERS[name])
+
+
+def experts_class(name: str) -> type[Experts]:
+    if name not in _EXPERTS:
+        raise ValueError(f"unknown experts {name!r}; known: {sorted(_EXPERTS)} or 'auto'")
+    return _load(_EXPERTS[name])
+
+
+def list_dispatchers(cfg: MoEConfig, group: dist.ProcessGroup | None = None) -> dict[str, tuple[bool, str]]:
+    """Every dispatcher name with (available, reason) for this config and process group."""
+    return {name: dispatcher_class(name).availability(cfg, group) for name in _DISPATCHERS}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def list_experts(cfg: MoEConfig, device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """Every experts name with (available, reason) for this config on `device` (default: the current
+    CUDA device if there is one, else the CPU)."""
+    device = default_device() if device is None else torch.device(device)
+    return {name: experts_class(name).availability(cfg, device) for name in _EXPERTS}
+
+
+def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None) -> str:
+    """Map "auto" to a concrete available name; refuse an unavailable explicit name."""
+    table = list_dispatchers(cfg, group)
+    if name == "auto":
+        for candidate in _AUTO_DISPATCH_ORDER:
+            if table[candidate][0]:
+                return candidate
+        raise ValueError(f"no dispatcher is available: {table}")
+    if name not in table:
+        raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(table)} or 'auto'")
+    if not table[name][0]:
+        raise ValueError(f"dispatcher {name!r} is not available: {table[name][1]}")
+    return name
+
+
+def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None) -> str:
+    table = list_experts(cfg, device)
+    if name == "auto":
+        for candidate in _AUTO_EXPERTS_ORDER:
+            if table[candidate][0]:
+                return candidate
+        raise ValueError(f"no experts implementation is available: {table}")
+    if name not in table:
+        raise ValueError(f"unknown experts {name!r}; known: {sorted(table)} or 'auto'")
+    if not table[name][0]:
+        raise ValueError(f"experts {name!r} are not available: {table[name][1]}")
+    return name
+
+
+def make_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None = None, **options) -> Dispatcher:
+    """Build dispatcher `name` ("auto" picks one) for `cfg` over `group` (None = single rank).
+
+    Collective for multi-rank dispatchers that set up shared buffers: call it on every rank.
+    """
+    return dispatcher_class(resolve_dispatcher(name, cfg, group))(cfg, group, **options)
+
+
+def make_experts(name: str, cfg: MoEConfig, num_local_experts: int, device) -> Experts:
+    """Build experts implementation `name` ("auto" picks one) holding `num_local_experts` experts."""
+    return experts_class(resolve_experts(name, cfg, device))(cfg, num_local_experts, device)
