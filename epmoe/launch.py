@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,45 +36,68 @@ def _backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_rank(rank: int, world_size: int, device_type: str, init_method: str) -> RankContext:
-    """Initialize the default process group for one rank and return its context."""
+def init_rank(rank: int, world_size: int, device_type: str, init_method: str,
+              timeout_s: float | None = None) -> RankContext:
+    """Initialize the default process group for one rank and return its context.
+
+    timeout_s bounds each collective (None: the backend's default).
+    """
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     kwargs = {"device_id": device} if device_type == "cuda" else {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(_backend(device_type), init_method=init_method, rank=rank,
                             world_size=world_size, **kwargs)
     return RankContext(rank, world_size, device, dist.group.WORLD)
 
 
 def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
-            queue) -> None:
-    ctx = init_rank(rank, world_size, device_type, init_method)
+            queue, timeout_s: float | None) -> None:
+    ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)
         queue.put((rank, result))
+        dist.barrier()  # only on success: a failed rank must not enter a collective the others are not in
     finally:
-        dist.barrier()
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = ()) -> list[Any]:
+def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = (),
+          timeout_s: float | None = None) -> list[Any]:
     """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank.
 
-    fn must be importable (defined at module level) and its results picklable. Raises if any rank fails.
+    fn must be importable (defined at module level) and its results picklable. Raises if any rank fails
+    (the other ranks are then terminated). With timeout_s, every collective is bounded by it and the whole
+    run too: past it all ranks are killed and TimeoutError is raised.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if device == "cuda" and torch.cuda.device_count() < nprocs:
         raise ValueError(f"{nprocs} ranks need {nprocs} GPUs, found {torch.cuda.device_count()}")
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue), nprocs=nprocs,
-                       join=True, start_method="spawn")
-    results = dict(queue.get() for _ in range(nprocs))
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue, timeout_s),
+                               nprocs=nprocs, join=False, start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    while True:
+        while not queue.empty():  # read results as they come: a large one would block its writer
+            rank, result = queue.get()
+            results[rank] = result
+        if procs.join(timeout=0.05):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs.processes:
+                p.kill()
+                p.join()
+            raise TimeoutError(f"spawn: {nprocs} ranks of {getattr(fn, '__name__', fn)} ran past {timeout_s} s")
+    while not queue.empty():
+        rank, result = queue.get()
+        results[rank] = result
     return [results[r] for r in range(nprocs)]
 
 
