@@ -15,6 +15,10 @@ import torch.nn.functional as F_
 from ..interfaces import Dispatcher, ExpertBatch, Layout
 from ._layout import PairOrder, sort_pairs, weighted_sum_to_rows
 
+# torch 2.13 renamed these (same signatures) and warns on the old names; torch 2.11 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass(frozen=True)
 class AllGatherHandle:
@@ -27,7 +31,7 @@ class AllGatherHandle:
 
 def _all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    _all_gather_single(out, t.contiguous(), group=group)
     return out
 
 
@@ -59,5 +63,5 @@ class AllGatherDispatcher(Dispatcher):
         h: AllGatherHandle = batch.handle
         partial = weighted_sum_to_rows(y, h.order, h.weights_PK, h.local_ids_PK, h.local_ids_PK.shape[0])
         mine = partial.new_empty(h.max_tokens, partial.shape[1])
-        dist.reduce_scatter_tensor(mine, partial, group=self.group)
+        _reduce_scatter_single(mine, partial, group=self.group)
         return mine[: h.num_tokens].to(self.cfg.dtype)
