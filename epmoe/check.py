@@ -1,0 +1,109 @@
+"""`epmoe check`: every valid (dispatcher x experts x precision) combination at several shapes against
+the single-rank reference, one PASS/FAIL row each.
+
+The combinations are the cross-product filtered by the library's own validity checks
+(`list_dispatchers`, `list_experts`, `check_pairing`, via `testing.plan`). Tolerances: relative L2 norm
+error per precision, `testing.TOLERANCES` (fp32 1e-5, bf16 2e-2, fp8_block 6e-2).
+
+Shape letters: T tokens of this rank, D hidden size, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ._table import format_table
+from .config import MoEConfig
+from .launch import RankContext
+from .routing import route
+from .testing import (build_layer, make_tokens, make_weights, max_over_ranks, plan, precision, rank_rows, reference_layer,
+                      rel_error, tolerance)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape. Rank r gets tokens[r % len(tokens)] tokens; `cfg` holds shapes and routing."""
+
+    name: str
+    cfg: MoEConfig
+    tokens: tuple[int, ...]
+    no_expert_fraction: float = 0.0  # this share of the top-k ids is set to -1 (and all of token 0's)
+    one_expert: bool = False  # every token's first choice is the last expert, the rest -1
+    shared: bool = False
+
+    def tokens_per_rank(self, world_size: int) -> list[int]:
+        return [self.tokens[r % len(self.tokens)] for r in range(world_size)]
+
+
+def _cfg(**kw) -> MoEConfig:
+    base = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+    return MoEConfig(**{**base, **kw})
+
+
+CASES = (
+    Case("deepseek_v3", _cfg(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, scoring="sigmoid",
+                             num_groups=4, topk_groups=2, routed_scaling_factor=2.5), (24, 17), shared=True),
+    Case("t0_on_rank0", _cfg(), (0, 9, 5)),
+    Case("t1_grouped_softmax", _cfg(renormalize=False, num_groups=4, topk_groups=2), (1,)),
+    Case("odd_D97_F45", _cfg(top_k=3, hidden_size=97, intermediate_size=45), (13, 6)),
+    Case("no_expert_ids", _cfg(top_k=3), (16, 11), no_expert_fraction=0.3),
+    Case("one_expert", _cfg(), (12, 7), one_expert=True),
+    Case("chunked", _cfg(max_tokens_per_rank=8), (20, 3, 9)),
+)
+PRECISIONS = ({"dtype": torch.float32}, {"dtype": torch.bfloat16}, {"dtype": torch.bfloat16, "quant": "fp8_block"})
+
+
+def case_inputs(case: Case, cfg: MoEConfig, rank: int, world_size: int, seed: int, device: torch.device):
+    """This rank's x_TD, weights_TK, ids_TK for `case` (the same on every rank for the same rank id)."""
+    tokens = case.tokens_per_rank(world_size)
+    x_all, logits_all = make_tokens(cfg, seed, tokens, device)
+    rows = rank_rows(tokens, rank)
+    weights_TK, ids_TK = route(logits_all, cfg)
+    g = torch.Generator(device=device).manual_seed(seed + 2)
+    if case.no_expert_fraction:
+        drop = torch.rand(ids_TK.shape, generator=g, device=device) < case.no_expert_fraction
+        drop[0] = True
+        ids_TK = ids_TK.masked_fill(drop, -1)
+    if case.one_expert:
+        ids_TK = torch.full_like(ids_TK, -1)
+        ids_TK[:, 0] = cfg.num_experts - 1
+    return x_all[rows].contiguous(), weights_TK[rows].contiguous(), ids_TK[rows].contiguous()
+
+
+def check_rank(ctx: RankContext, seed: int) -> int:
+    """Run every case on this rank; rank 0 prints the rows. Returns 1 if any row failed."""
+    dev, group = ctx.device, ctx.group
+    rows, skipped = [], {}
+    for case in CASES:
+        for prec in PRECISIONS:
+            cfg = dataclasses.replace(case.cfg, **prec)
+            todo = plan(cfg, group, dev)
+            for d_name, e_name, reason in todo.skipped:
+                skipped.setdefault((d_name, e_name, reason), []).append(f"{case.name}/{precision(cfg)}")
+            weights = make_weights(cfg, seed, dev)
+            x_TD, w_TK, ids_TK = case_inputs(case, cfg, ctx.rank, ctx.world_size, seed, dev)
+            ref_TD = reference_layer(cfg, weights, dev, case.shared)(x_TD, weights_TK=w_TK, ids_TK=ids_TK)
+            for d_name, e_name in todo.runs:
+                err, note = float("inf"), ""
+                try:
+                    moe = build_layer(cfg, weights, group, d_name, e_name, dev, case.shared)
+                    err = rel_error(moe(x_TD, weights_TK=w_TK, ids_TK=ids_TK), ref_TD)
+                except Exception as e:  # a failing combination is a FAIL row, not the end of the check
+                    note = f"{type(e).__name__}: {e}"
+                err = max_over_ranks(err, group, dev)
+                ok = err <= tolerance(cfg)
+                rows.append([case.name, precision(cfg), d_name, e_name,
+                             f"{err:.2e}" if err < float("inf") else "-", f"{tolerance(cfg):.0e}",
+                             "PASS" if ok else "FAIL", note])
+    if ctx.rank == 0:
+        print(f"epmoe check: {ctx.world_size} ranks on {dev.type}; relative L2 error vs the single-rank "
+              "reference (local dispatcher + reference experts)")
+        for (d_name, e_name, reason), where in skipped.items():
+            print(f"skipped: dispatcher {d_name}, experts {e_name}: {reason} ({len(where)} case/precision pairs)")
+        print(format_table(["case", "precision", "dispatcher", "experts", "rel err", "tol", "result", "error"],
+                           rows))
+        failures = sum(row[6] == "FAIL" for row in rows)
+        print(f"{len(rows) - failures} passed, {failures} failed")
+    return int(any(row[6] == "FAIL" for row in rows))
