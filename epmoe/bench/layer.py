@@ -1,0 +1,104 @@
+"""`epmoe bench layer`: FusedMoE end to end, per available dispatcher, against the single-rank local path.
+
+    epmoe bench layer [--device cuda] [--nproc 2] [--out DIR] [layer sizes, as for `epmoe demo`]
+
+Every rank runs its T tokens (default on GPUs: DeepSeek-V3's layer, T=4096) through FusedMoE with each
+available dispatcher; the baseline is the same rank running the same tokens alone with the `local`
+dispatcher and all E experts (what one GPU holding the whole layer would do). Time: the slowest rank's
+median over --repeats calls after --warmup calls, each call between device synchronizations and lined up
+by a barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
+Writes layer.json into --out when given.
+
+Shape letters: T tokens of this rank, D hidden size, E experts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from .._table import format_table
+from ..launch import RankContext
+from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, make_tokens,
+                       make_weights, max_over_ranks, median_ms, plan, rank_rows, rel_error)
+
+
+def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
+                out_dir: str | None) -> int:
+    cfg, dev, group = spec.config(), ctx.device, ctx.group
+    tokens = [spec.tokens_per_rank] * ctx.world_size
+    weights = make_weights(cfg, spec.seed, dev)
+    x_all, logits_all = make_tokens(cfg, spec.seed, tokens, dev)
+    rows = rank_rows(tokens, ctx.rank)
+    x_TD, logits_TE = x_all[rows].contiguous(), logits_all[rows].contiguous()
+    del x_all, logits_all
+    bias_E = weights.correction_bias_E
+
+    def timed(moe) -> float:
+        return max_over_ranks(median_ms(lambda: moe(x_TD, logits_TE, correction_bias_E=bias_E), repeats, dev,
+                                        group, warmup), group, dev)
+
+    base = build_layer(cfg, weights, None, "local", experts, dev)
+    base_name = f"local/{base.experts.name} (1 rank, all {cfg.num_experts} experts)"
+    base_TD = base(x_TD, logits_TE, correction_bias_E=bias_E)
+    base_ms = timed(base)
+    del base
+    gc.collect()
+
+    todo = plan(cfg, group, dev, experts=[experts])
+    results = []
+    for d_name, e_name in todo.runs:
+        moe = build_layer(cfg, weights, group, d_name, e_name, dev)
+        err = max_over_ranks(rel_error(moe(x_TD, logits_TE, correction_bias_E=bias_E), base_TD), group, dev)
+        ms = timed(moe)
+        results.append({"dispatcher": d_name, "experts": e_name, "ms": ms, "baseline_ms": base_ms,
+                        "speedup_vs_baseline": base_ms / ms, "rel_err_vs_baseline": err})
+        del moe
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if ctx.rank == 0:
+        print(describe(spec, ctx.world_size, dev))
+        for d_name, e_name, reason in todo.skipped:
+            print(f"skipped: dispatcher {d_name}, experts {e_name}: {reason}")
+        rows_out = [[base_name, f"{base_ms:.3f}", "1.00", "-"]]
+        rows_out += [[f"{r['dispatcher']}/{r['experts']} ({ctx.world_size} ranks)", f"{r['ms']:.3f}",
+                      f"{r['speedup_vs_baseline']:.2f}", f"{r['rel_err_vs_baseline']:.1e}"] for r in results]
+        print(format_table(["path", "ms/layer", "baseline/this", "rel err"], rows_out))
+        print(f"ms/layer: the slowest rank's median of {repeats} calls after {warmup} warm-up calls")
+        if out_dir is not None:
+            os.makedirs(out_dir, exist_ok=True)
+            record = {"bench": "layer", "device": dev.type, "device_name": _device_name(dev),
+                      "world_size": ctx.world_size, "torch": torch.__version__,
+                      "spec": {k: str(v) if isinstance(v, torch.dtype) else v
+                               for k, v in dataclasses.asdict(spec).items()},
+                      "baseline": {"path": base_name, "ms": base_ms}, "results": results,
+                      "skipped": [list(s) for s in todo.skipped]}
+            with open(os.path.join(out_dir, "layer.json"), "w") as f:
+                json.dump(record, f, indent=2)
+    return 0
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..cli import add_launch_arguments, run_ranks
+    parser = argparse.ArgumentParser(prog="epmoe bench layer", description=__doc__.split("\n")[0])
+    add_launch_arguments(parser)
+    add_layer_arguments(parser)
+    parser.add_argument("--experts", default="auto", help="experts implementation (default: auto)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default: 20 on cuda, 5 on cpu)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None, help="folder for layer.json")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (20 if args.device == "cuda" else 5)
+    return run_ranks(_layer_rank, args.device, args.nproc,
+                     (layer_spec(args, args.device), args.experts, repeats, args.warmup, args.out))
