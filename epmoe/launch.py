@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_met
     ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)
-        queue.put((rank, result))
+        # plain pickle: torch's queue reductions would share tensors through file descriptors that
+        # vanish when this process exits, before the parent has read them
+        queue.put((rank, pickle.dumps(result)))
         dist.barrier()  # only on success: a failed rank must not enter a collective the others are not in
     finally:
         dist.destroy_process_group()
@@ -87,7 +90,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple 
     while True:
         while not queue.empty():  # read results as they come: a large one would block its writer
             rank, result = queue.get()
-            results[rank] = result
+            results[rank] = pickle.loads(result)
         if procs.join(timeout=0.05):
             break
         if deadline is not None and time.monotonic() > deadline:
@@ -97,7 +100,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple 
             raise TimeoutError(f"spawn: {nprocs} ranks of {getattr(fn, '__name__', fn)} ran past {timeout_s} s")
     while not queue.empty():
         rank, result = queue.get()
-        results[rank] = result
+        results[rank] = pickle.loads(result)
     return [results[r] for r in range(nprocs)]
 
 

@@ -1,0 +1,232 @@
+"""Test cases shared by the single-rank tests and the multi-rank workers (run in spawned ranks).
+
+Every `case_*` function takes (dispatcher name, group, device) and raises AssertionError on a wrong
+result; `run_cases` runs them all on a rank and returns the failures as text, so one spawn checks many
+cases and reports every failure.
+
+Shape letters: T tokens of this rank, D hidden size, F intermediate size, E experts, K top-k, L local
+experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F_
+
+import epmoe
+from epmoe.interfaces import ExpertBatch, Layout
+from epmoe.testing import LayerWeights, make_weights, rel_error
+
+TOKEN_PATTERN = (7, 0, 5, 1)  # rank r has TOKEN_PATTERN[r % 4] tokens: odd T, T=0 and T=1 across ranks
+
+
+def world(group) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def scale_by_expert(batch: ExpertBatch, first_expert: int) -> torch.Tensor:
+    """Stand-in experts for exact checks: expert e maps x to x * (e + 1); padding rows give zeros."""
+    L = batch.num_local_experts
+    mult_L = torch.arange(first_expert + 1, first_expert + 1 + L, dtype=batch.x.dtype, device=batch.x.device)
+    y = torch.zeros_like(batch.x)
+    if batch.layout is Layout.BATCHED:
+        for l, n in enumerate(batch.counts_L.tolist()):
+            y[l, :n] = batch.x[l, :n] * mult_L[l]
+        return y
+    per_row = torch.repeat_interleave(mult_L, batch.counts_L.long())
+    n = per_row.shape[0]
+    y[:n] = batch.x[:n] * per_row[:, None]
+    return y
+
+
+def exact_tokens(T: int, D: int, rank: int) -> torch.Tensor:
+    """x[t, c] = rank*1000 + t + (c % 8)/8 in fp32: exact through x*(e+1) (e < 32), power-of-two weights
+    in {1/2, 1, 2} and a sum of at most 4 such terms (at most 24 significant bits)."""
+    t = torch.arange(T, dtype=torch.float32)[:, None]
+    c = torch.arange(D, dtype=torch.float32)[None, :]
+    return rank * 1000 + t + torch.remainder(c, 8) / 8
+
+
+def random_ids(T: int, E: int, K: int, g: torch.Generator, drop: float = 0.25) -> torch.Tensor:
+    """int32 [T, K], distinct ids per token, a `drop` share of them -1."""
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    ids = ids.to(torch.int32)
+    return ids.masked_fill(torch.rand(ids.shape, generator=g) < drop, -1)
+
+
+def expected_exact(x_TD, ids_TK, w_TK) -> torch.Tensor:
+    """float64 sum_k w[t,k] * (ids[t,k] + 1) * x[t] over ids != -1."""
+    mult = torch.where(ids_TK >= 0, (ids_TK.double() + 1) * w_TK.double(), 0.0)
+    return (mult[:, :, None] * x_TD.double()[:, None, :]).sum(1)
+
+
+def exact_round_trip(d: epmoe.Dispatcher, x_TD, ids_TK, w_TK, device) -> None:
+    x_TD, ids_TK, w_TK = x_TD.to(device), ids_TK.to(device), w_TK.to(device)
+    batch = d.dispatch(x_TD, ids_TK, w_TK)
+    out = d.combine(scale_by_expert(batch, d.first_expert), batch)
+    assert out.shape == x_TD.shape and out.dtype == x_TD.dtype
+    exp = expected_exact(x_TD.cpu(), ids_TK.cpu(), w_TK.cpu())
+    assert torch.equal(out.double().cpu(), exp), f"max abs diff {(out.double().cpu() - exp).abs().max().item()}"
+
+
+def case_exact(name, group, device) -> None:
+    """Rows encode (rank, token, column); random ids with -1; power-of-two weights; exact sums."""
+    rank, R = world(group)
+    cfg = epmoe.MoEConfig(num_experts=12, top_k=3, hidden_size=13, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    g = torch.Generator().manual_seed(100 + rank)
+    for T in (TOKEN_PATTERN[rank % 4], 3 + 2 * rank):
+        ids = random_ids(T, 12, 3, g)
+        w = 2.0 ** torch.randint(-1, 2, (T, 3), generator=g).float()
+        exact_round_trip(d, exact_tokens(T, 13, rank), ids, w, device)
+
+
+def case_one_expert(name, group, device) -> None:
+    """Every token of every rank goes to the last expert (the last rank), other slots -1."""
+    rank, R = world(group)
+    cfg = epmoe.MoEConfig(num_experts=12, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    T = 9 + rank
+    ids = torch.full((T, 2), -1, dtype=torch.int64)
+    ids[:, 0] = 11
+    exact_round_trip(d, exact_tokens(T, 16, rank), ids, torch.full((T, 2), 0.5), device)
+
+
+def case_all_no_expert(name, group, device) -> None:
+    """All ids -1 on every rank: zeros out, nothing sent."""
+    rank, R = world(group)
+    cfg = epmoe.MoEConfig(num_experts=4 * R, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    T = 4
+    batch = d.dispatch(exact_tokens(T, 8, rank).to(device), torch.full((T, 2), -1, device=device),
+                       torch.ones(T, 2, device=device))
+    assert int(batch.counts_L.sum()) == 0
+    out = d.combine(scale_by_expert(batch, d.first_expert), batch)
+    assert torch.equal(out, torch.zeros(T, 8, device=device))
+
+
+def case_counts(name, group, device) -> None:
+    """counts_L/offsets_L1 hold exactly the pairs every rank sent to this rank's experts, rows sorted."""
+    rank, R = world(group)
+    E, K, D = 4 * R, 2, 8
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    all_ids = [random_ids(5 + r, E, K, torch.Generator().manual_seed(7 + r)) for r in range(R)]
+    x = exact_tokens(5 + rank, D, rank).to(device)
+    batch = d.dispatch(x, all_ids[rank].to(device), torch.ones(5 + rank, K, device=device))
+    L = d.num_local_experts
+    ids_all = torch.cat(all_ids).long()
+    want = torch.bincount(ids_all[ids_all >= 0], minlength=E)[rank * L:(rank + 1) * L]
+    assert batch.counts_L.cpu().tolist() == want.tolist(), (batch.counts_L, want)
+    if batch.layout is Layout.CONTIGUOUS:
+        assert batch.offsets_L1.cpu().tolist() == [0] + torch.cumsum(want, 0).tolist()
+        # every row of expert l comes from a token that chose expert first + l
+        for l in range(L):
+            lo, hi = batch.offsets_L1[l].item(), batch.offsets_L1[l + 1].item()
+            for row in batch.x[lo:hi].cpu():
+                src_rank, t = int(row[0].item()) // 1000, int(row[0].item()) % 1000
+                assert (all_ids[src_rank][t] == d.first_expert + l).any()
+    d.combine(scale_by_expert(batch, d.first_expert), batch)
+
+
+def case_bad_input(name, group, device) -> None:
+    """Malformed input raises ValueError naming the problem on every rank before any communication:
+    the dispatcher still works afterwards (a half-started collective would hang or mismatch)."""
+    rank, R = world(group)
+    E, K, D = 4 * R, 2, 8
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    x = exact_tokens(3, D, rank).to(device)
+    ids = torch.zeros(3, K, dtype=torch.int32, device=device)
+    w = torch.ones(3, K, device=device)
+    bad = [
+        ((x[:, :5], ids, w), "x_TD must be"),
+        ((x.to(torch.bfloat16), ids, w), "dtype"),
+        ((x, ids[:2], w), "ids_TK must be"),
+        ((x, ids[:, :1], w[:, :1]), "K=2"),
+        ((x, ids, w[:2]), "weights_TK must be"),
+        ((x, ids.float(), w), "int32 or int64"),
+        ((x, ids, w.int()), "float"),
+        ((x, ids + E, w), f"expert id {E}"),
+        ((x, ids - 2, w), "expert id -2"),
+        ((x, ids.to("meta"), w), "meta"),
+    ]
+    for args, words in bad:
+        try:
+            d.dispatch(*args)
+        except ValueError as e:
+            assert words in str(e), f"{words!r} not in {e}"
+        else:
+            raise AssertionError(f"no ValueError for input expected to say {words!r}")
+    exact_round_trip(d, x, ids, w, device)
+    if R > 1:
+        uneven = dataclasses.replace(cfg, num_experts=4 * R + 1)
+        assert not epmoe.list_dispatchers(uneven, group)[name][0]
+        try:
+            epmoe.make_dispatcher(name, uneven, group)
+        except ValueError as e:
+            assert "not divisible" in str(e), str(e)
+        else:
+            raise AssertionError("E not divisible by the world size was accepted")
+
+
+def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared: bool) -> torch.Tensor:
+    """The plain MoE, token by token and expert by expert, in float64."""
+    out = torch.zeros(x_TD.shape, dtype=torch.float64)
+    x, w13, w2 = x_TD.double().cpu(), weights.w13_END.double().cpu(), weights.w2_EDF.double().cpu()
+    F = w2.shape[2]
+    for t in range(x.shape[0]):
+        for k in range(ids_TK.shape[1]):
+            e = int(ids_TK[t, k])
+            if e < 0:
+                continue
+            h = w13[e] @ x[t]
+            out[t] += float(w_TK[t, k]) * (w2[e] @ (F_.silu(h[:F]) * h[F:]))
+    out *= scaling
+    if shared:
+        s13, s2 = weights.shared_w13_ND.double().cpu(), weights.shared_w2_DF.double().cpu()
+        h = x @ s13.t()
+        out += (F_.silu(h[:, :F]) * h[:, F:]) @ s2.t()
+    return out
+
+
+def case_fused_vs_dense(name, group, device) -> None:
+    """FusedMoE (sigmoid + bias + grouped routing, scaling 2.5, a shared expert, chunks of 4 tokens, so
+    ranks make different numbers of chunks) against the dense loop, in fp32 and bf16."""
+    rank, R = world(group)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        cfg = epmoe.MoEConfig(num_experts=12, top_k=3, hidden_size=24, intermediate_size=10, dtype=dtype,
+                              max_tokens_per_rank=4, scoring="sigmoid", num_groups=4, topk_groups=2,
+                              routed_scaling_factor=2.5)
+        weights = make_weights(cfg, 5, device)
+        moe = epmoe.testing.build_layer(cfg, weights, group, name, "reference", device)
+        T = (9, 2, 0, 5)[rank % 4]
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, 24, generator=g).to(dtype).to(device)
+        logits = torch.randn(T, cfg.num_experts, generator=g).to(device)
+        w_TK, ids_TK = epmoe.route(logits, cfg, correction_bias_E=weights.correction_bias_E)
+        ids_drop_TK = ids_TK.clone()
+        ids_drop_TK[T // 2:, 0] = -1  # -1 ids through the caller's-own-gate path
+        for got, ids in ((moe(x, logits, correction_bias_E=weights.correction_bias_E), ids_TK),
+                         (moe(x, weights_TK=w_TK, ids_TK=ids_drop_TK), ids_drop_TK)):
+            ref = dense_moe(x, ids.cpu(), w_TK.cpu(), weights, 2.5, shared=True)
+            err = rel_error(got.cpu(), ref)
+            assert got.dtype == dtype and err <= tol, f"{dtype}: rel err {err:.2e} > {tol}"
+
+
+CASES = (case_exact, case_one_expert, case_all_no_expert, case_counts, case_bad_input, case_fused_vs_dense)
+
+
+def run_cases(ctx, names: tuple[str, ...]) -> list[str]:
+    """Every case with every dispatcher in `names` on this rank; returns the failures (text)."""
+    failures = []
+    for name in names:
+        for case in CASES:
+            try:
+                case(name, ctx.group, ctx.device)
+            except AssertionError:
+                failures.append(f"rank {ctx.rank} {name} {case.__name__}:\n{traceback.format_exc()}")
+    return failures

@@ -1,0 +1,61 @@
+"""The `epmoe` command on CPU: demo and check on two gloo ranks, bench delegation."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from epmoe import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=240):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "epmoe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_demo_two_ranks():
+    r = _run("demo", "--nproc", "2", "-T", "9", "-D", "64", "-F", "32", "--repeats", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "skipped: dispatcher local" in r.stdout and "single rank" in r.stdout
+    for name in ("allgather", "alltoall"):
+        row = next(line for line in r.stdout.splitlines() if line.startswith(name))
+        assert row.split()[1] == "reference" and row.rstrip().endswith("ok"), row
+
+
+def test_check_two_ranks():
+    r = _run("check", "--nproc", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("t0_on_rank0") and "PASS" in line for line in lines)
+    assert any(line.startswith("odd_D97_F45  ") and "fp8_block" in line for line in lines)
+    assert "FAIL" not in r.stdout and lines[-1].endswith(" 0 failed")
+
+
+def test_bench_layer_writes_json(tmp_path):
+    r = _run("bench", "layer", "--nproc", "1", "-T", "5", "-E", "8", "-D", "32", "-F", "16", "--groups", "2",
+             "--topk-groups", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "layer.json").exists() and "local/reference" in r.stdout
+
+
+def test_bench_unknown_stage_and_missing_module(monkeypatch, capsys):
+    assert cli.main(["bench", "nope"]) == 2
+    monkeypatch.setitem(cli._BENCH_MODULES, "experts", "epmoe.bench.not_written_yet")
+    assert cli.main(["bench", "experts", "--out", "x"]) == 2
+    assert "not in this build" in capsys.readouterr().err
+
+
+def test_bench_dispatch_mode_ll_goes_to_the_ll_module(monkeypatch, capsys):
+    monkeypatch.setitem(cli._BENCH_MODULES, "dispatch_ll", "epmoe.bench.ll_missing")
+    assert cli.main(["bench", "dispatch", "--mode", "ll"]) == 2
+    assert "epmoe.bench.ll_missing" in capsys.readouterr().err
+
+
+def test_parser_rejects_unknown_option():
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--nope"])

@@ -1,0 +1,94 @@
+"""Single rank, in-process: the `local` dispatcher through every shared case, FusedMoE against the dense
+loop, the layer's input checks, and the registry's tables."""
+import pytest
+import torch
+
+import epmoe
+from epmoe.testing import build_layer, make_weights, rel_error
+
+import moe_cases
+
+
+@pytest.mark.parametrize("case", moe_cases.CASES, ids=lambda c: c.__name__)
+def test_local_dispatcher(case):
+    case("local", None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 13])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_moe_softmax_vs_dense(T, dtype, tol):
+    """Softmax routing without scaling or shared experts; chunks of 5 tokens; odd D and F."""
+    cfg = epmoe.MoEConfig(num_experts=6, top_k=2, hidden_size=19, intermediate_size=7, dtype=dtype,
+                          max_tokens_per_rank=5)
+    weights = make_weights(cfg, 3, "cpu")
+    moe = build_layer(cfg, weights, None, "auto", "auto", "cpu", shared=False)
+    g = torch.Generator().manual_seed(T)
+    x, logits = torch.randn(T, 19, generator=g).to(dtype), torch.randn(T, 6, generator=g)
+    w, ids = epmoe.route(logits, cfg)
+    out = moe(x, logits)
+    ref = moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)
+    assert out.shape == (T, 19) and out.dtype == dtype
+    assert rel_error(out, ref) <= tol
+
+
+def test_fused_moe_all_tokens_one_expert_with_shared_and_scaling():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32,
+                          routed_scaling_factor=2.5)
+    weights = make_weights(cfg, 4, "cpu")
+    moe = build_layer(cfg, weights, None, "local", "reference", "cpu")
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[3, -1]] * 9)
+    w = torch.full((9, 2), 0.75)
+    ref = moe_cases.dense_moe(x, ids, w, weights, 2.5, shared=True)
+    assert rel_error(moe(x, weights_TK=w, ids_TK=ids), ref) <= 1e-5
+
+
+def test_fused_moe_refuses_bad_input():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    moe = build_layer(cfg, make_weights(cfg, 0, "cpu"), None, "local", "reference", "cpu")
+    x, logits = torch.randn(3, 8), torch.randn(3, 4)
+    w, ids = epmoe.route(logits, cfg)
+    for kwargs, words in [
+        ({"logits_TE": logits, "weights_TK": w, "ids_TK": ids}, "not both"),
+        ({"weights_TK": w}, "both weights_TK and ids_TK"),
+        ({"logits_TE": logits[:, :3]}, "logits_TE must be"),
+        ({"weights_TK": w, "ids_TK": ids + 4}, "expert id"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            moe(x, **kwargs)
+        assert words in str(e.value)
+    with pytest.raises(ValueError, match="x_TD is on meta"):
+        moe(x.to("meta"), logits)
+    with pytest.raises(ValueError, match=r"w13 must be \[E=4"):
+        moe.load_experts(torch.zeros(3, 16, 8), torch.zeros(4, 8, 8))
+    with pytest.raises(ValueError, match=r"w2 must be \[E=4"):
+        moe.load_experts(torch.zeros(4, 16, 8), torch.zeros(4, 8, 9))
+
+
+def test_config_refuses_bad_values():
+    for kwargs, words in [({"top_k": 5}, "top_k=5"), ({"hidden_size": 0}, "hidden_size"),
+                          ({"dtype": torch.int32}, "dtype"), ({"quant": "int4"}, "quant"),
+                          ({"num_groups": 3, "topk_groups": 1}, "num_groups=3")]:
+        with pytest.raises(ValueError) as e:
+            epmoe.MoEConfig(**{"num_experts": 4, "top_k": 2, "hidden_size": 8, "intermediate_size": 8, **kwargs})
+        assert words in str(e.value)
+    with pytest.raises(ValueError, match="not divisible"):
+        epmoe.MoEConfig(num_experts=6, top_k=2, hidden_size=8, intermediate_size=8).local_experts(4)
+
+
+def test_registry_tables():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    dispatchers = epmoe.list_dispatchers(cfg)
+    assert {"local", "allgather", "alltoall"} <= set(dispatchers)
+    assert dispatchers["local"] == (True, "ok")
+    assert dispatchers["allgather"][0] is False and "process group" in dispatchers["allgather"][1]
+    assert all(isinstance(ok, bool) and isinstance(why, str) for ok, why in dispatchers.values())
+    experts = epmoe.list_experts(cfg, "cpu")
+    assert experts["reference"] == (True, "ok")
+    assert epmoe.make_dispatcher("auto", cfg).name == "local"
+    with pytest.raises(ValueError, match="unknown dispatcher 'nope'"):
+        epmoe.make_dispatcher("nope", cfg)
+    with pytest.raises(ValueError, match="not available"):
+        epmoe.make_dispatcher("alltoall", cfg)
+    with pytest.raises(ValueError, match="unknown experts 'nope'"):
+        epmoe.make_experts("nope", cfg, 4, "cpu")
