@@ -87,20 +87,23 @@ def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple 
                                nprocs=nprocs, join=False, start_method="spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results: dict[int, Any] = {}
-    while True:
-        while not queue.empty():  # read results as they come: a large one would block its writer
+
+    def collect() -> None:  # read results as they come: a large one would block its writer
+        while not queue.empty():
             rank, result = queue.get()
             results[rank] = pickle.loads(result)
-        if procs.join(timeout=0.05):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            for p in procs.processes:
+
+    try:
+        while not procs.join(timeout=0.05):
+            collect()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"spawn: {nprocs} ranks of {getattr(fn, '__name__', fn)} ran past {timeout_s} s")
+    finally:  # on a timeout, a failed rank or an interrupt, leave no rank behind
+        for p in procs.processes:
+            if p.is_alive():
                 p.kill()
                 p.join()
-            raise TimeoutError(f"spawn: {nprocs} ranks of {getattr(fn, '__name__', fn)} ran past {timeout_s} s")
-    while not queue.empty():
-        rank, result = queue.get()
-        results[rank] = pickle.loads(result)
+    collect()
     return [results[r] for r in range(nprocs)]
 
 
