@@ -1,8 +1,9 @@
 """Test cases shared by the single-rank tests and the multi-rank workers (run in spawned ranks).
 
-Every `case_*` function takes (dispatcher name, group, device) and raises AssertionError on a wrong
-result; `run_cases` runs them all on a rank and returns the failures as text, so one spawn checks many
-cases and reports every failure.
+Every `case_*` function takes (dispatcher name, group, device) and records wrong results with `expect`
+instead of raising, so every rank goes through the same collectives even when one rank's check fails;
+`run_cases` runs them all on a rank and returns the failures as text, so one spawn checks many cases and
+reports every failure.
 
 Shape letters: T tokens of this rank, D hidden size, F intermediate size, E experts, K top-k, L local
 experts.
@@ -19,6 +20,15 @@ import torch.nn.functional as F_
 import epmoe
 from epmoe.interfaces import ExpertBatch, Layout
 from epmoe.testing import LayerWeights, make_weights, rel_error
+
+_failures: list[str] = []
+
+
+def expect(ok, message: str) -> None:
+    """A check that records a failure (with its caller's case) instead of raising."""
+    if not ok:
+        _failures.append(f"{traceback.extract_stack(limit=2)[0].name}: {message}")
+
 
 TOKEN_PATTERN = (7, 0, 5, 1)  # rank r has TOKEN_PATTERN[r % 4] tokens: odd T, T=0 and T=1 across ranks
 
@@ -67,9 +77,11 @@ def exact_round_trip(d: epmoe.Dispatcher, x_TD, ids_TK, w_TK, device) -> None:
     x_TD, ids_TK, w_TK = x_TD.to(device), ids_TK.to(device), w_TK.to(device)
     batch = d.dispatch(x_TD, ids_TK, w_TK)
     out = d.combine(scale_by_expert(batch, d.first_expert), batch)
-    assert out.shape == x_TD.shape and out.dtype == x_TD.dtype
+    expect(out.shape == x_TD.shape and out.dtype == x_TD.dtype, f"{d.name}: out {out.shape} {out.dtype}")
     exp = expected_exact(x_TD.cpu(), ids_TK.cpu(), w_TK.cpu())
-    assert torch.equal(out.double().cpu(), exp), f"max abs diff {(out.double().cpu() - exp).abs().max().item()}"
+    got = out.double().cpu()
+    if not torch.equal(got, exp):
+        expect(False, f"{d.name}: not exact, max abs diff {(got - exp).abs().max().item()}")
 
 
 def case_exact(name, group, device) -> None:
@@ -103,9 +115,9 @@ def case_all_no_expert(name, group, device) -> None:
     T = 4
     batch = d.dispatch(exact_tokens(T, 8, rank).to(device), torch.full((T, 2), -1, device=device),
                        torch.ones(T, 2, device=device))
-    assert int(batch.counts_L.sum()) == 0
+    expect(int(batch.counts_L.sum()) == 0, f"{name}: rows for no expert")
     out = d.combine(scale_by_expert(batch, d.first_expert), batch)
-    assert torch.equal(out, torch.zeros(T, 8, device=device))
+    expect(torch.equal(out, torch.zeros(T, 8, device=device)), f"{name}: no-expert tokens not zero")
 
 
 def case_counts(name, group, device) -> None:
@@ -120,15 +132,17 @@ def case_counts(name, group, device) -> None:
     L = d.num_local_experts
     ids_all = torch.cat(all_ids).long()
     want = torch.bincount(ids_all[ids_all >= 0], minlength=E)[rank * L:(rank + 1) * L]
-    assert batch.counts_L.cpu().tolist() == want.tolist(), (batch.counts_L, want)
+    expect(batch.counts_L.cpu().tolist() == want.tolist(), f"{name}: counts {batch.counts_L} != {want}")
     if batch.layout is Layout.CONTIGUOUS:
-        assert batch.offsets_L1.cpu().tolist() == [0] + torch.cumsum(want, 0).tolist()
+        expect(batch.offsets_L1.cpu().tolist() == [0] + torch.cumsum(want, 0).tolist(),
+               f"{name}: offsets {batch.offsets_L1}")
         # every row of expert l comes from a token that chose expert first + l
         for l in range(L):
             lo, hi = batch.offsets_L1[l].item(), batch.offsets_L1[l + 1].item()
             for row in batch.x[lo:hi].cpu():
                 src_rank, t = int(row[0].item()) // 1000, int(row[0].item()) % 1000
-                assert (all_ids[src_rank][t] == d.first_expert + l).any()
+                expect((all_ids[src_rank][t] == d.first_expert + l).any(),
+                       f"{name}: row of rank {src_rank} token {t} under expert {d.first_expert + l}")
     d.combine(scale_by_expert(batch, d.first_expert), batch)
 
 
@@ -158,19 +172,19 @@ def case_bad_input(name, group, device) -> None:
         try:
             d.dispatch(*args)
         except ValueError as e:
-            assert words in str(e), f"{words!r} not in {e}"
+            expect(words in str(e), f"{name}: {words!r} not in {e}")
         else:
-            raise AssertionError(f"no ValueError for input expected to say {words!r}")
+            expect(False, f"{name}: no ValueError for input expected to say {words!r}")
     exact_round_trip(d, x, ids, w, device)
     if R > 1:
         uneven = dataclasses.replace(cfg, num_experts=4 * R + 1)
-        assert not epmoe.list_dispatchers(uneven, group)[name][0]
+        expect(not epmoe.list_dispatchers(uneven, group)[name][0], f"{name}: listed for E % R != 0")
         try:
             epmoe.make_dispatcher(name, uneven, group)
         except ValueError as e:
-            assert "not divisible" in str(e), str(e)
+            expect("not divisible" in str(e), str(e))
         else:
-            raise AssertionError("E not divisible by the world size was accepted")
+            expect(False, f"{name}: E not divisible by the world size was accepted")
 
 
 def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared: bool) -> torch.Tensor:
@@ -214,19 +228,19 @@ def case_fused_vs_dense(name, group, device) -> None:
                          (moe(x, weights_TK=w_TK, ids_TK=ids_drop_TK), ids_drop_TK)):
             ref = dense_moe(x, ids.cpu(), w_TK.cpu(), weights, 2.5, shared=True)
             err = rel_error(got.cpu(), ref)
-            assert got.dtype == dtype and err <= tol, f"{dtype}: rel err {err:.2e} > {tol}"
+            expect(got.dtype == dtype and err <= tol, f"{name} {dtype}: rel err {err:.2e} > {tol}")
 
 
 CASES = (case_exact, case_one_expert, case_all_no_expert, case_counts, case_bad_input, case_fused_vs_dense)
 
 
+def run_case(case, name: str, group, device) -> list[str]:
+    """One case on this rank; returns its failures."""
+    _failures.clear()
+    case(name, group, device)
+    return [f"rank {world(group)[0]} {name} {f}" for f in _failures]
+
+
 def run_cases(ctx, names: tuple[str, ...]) -> list[str]:
     """Every case with every dispatcher in `names` on this rank; returns the failures (text)."""
-    failures = []
-    for name in names:
-        for case in CASES:
-            try:
-                case(name, ctx.group, ctx.device)
-            except AssertionError:
-                failures.append(f"rank {ctx.rank} {name} {case.__name__}:\n{traceback.format_exc()}")
-    return failures
+    return [f for name in names for case in CASES for f in run_case(case, name, ctx.group, ctx.device)]

@@ -11,7 +11,8 @@ import moe_cases
 
 @pytest.mark.parametrize("case", moe_cases.CASES, ids=lambda c: c.__name__)
 def test_local_dispatcher(case):
-    case("local", None, torch.device("cpu"))
+    failures = moe_cases.run_case(case, "local", None, torch.device("cpu"))
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("T", [0, 1, 7, 13])
