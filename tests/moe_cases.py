@@ -19,7 +19,7 @@ import torch.nn.functional as F_
 
 import epmoe
 from epmoe.interfaces import ExpertBatch, Layout
-from epmoe.testing import LayerWeights, make_weights, rel_error
+from epmoe.testing import LayerWeights, build_layer, make_weights, rel_error
 
 _failures: list[str] = []
 
@@ -216,7 +216,7 @@ def case_fused_vs_dense(name, group, device) -> None:
                               max_tokens_per_rank=4, scoring="sigmoid", num_groups=4, topk_groups=2,
                               routed_scaling_factor=2.5)
         weights = make_weights(cfg, 5, device)
-        moe = epmoe.testing.build_layer(cfg, weights, group, name, "reference", device)
+        moe = build_layer(cfg, weights, group, name, "reference", device)
         T = (9, 2, 0, 5)[rank % 4]
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(T, 24, generator=g).to(dtype).to(device)
