@@ -15,6 +15,13 @@ def test_local_dispatcher(case):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", moe_cases.CASES, ids=lambda c: c.__name__)
+def test_local_dispatcher_cuda(case):
+    failures = moe_cases.run_case(case, "local", None, torch.device("cuda"))
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("T", [0, 1, 7, 13])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_moe_softmax_vs_dense(T, dtype, tol):

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of epmoe in one go, for a machine with 2 GPUs.
+#
+#   scripts/gpu_run.sh [OUT] [STAGES]
+#
+# OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
+#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer
+# (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). The exit
+# code is the number of failed stages. Prints a table of stages last.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUT="${1:-./results}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+EPMOE=("$PY" -m epmoe.cli)
+
+declare -a NAMES RESULTS SECONDS_TAKEN
+
+wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+# stage NAME COMMAND...: run COMMAND if NAME is wanted, log to $OUT/NAME.log, record pass/fail and time.
+stage() {
+    local name="$1"; shift
+    wanted "$name" || return 0
+    echo "=== $name: $*"
+    local t0=$SECONDS status=0
+    "$@" 2>&1 | tee "$OUT/$name.log" || status=$?
+    NAMES+=("$name"); SECONDS_TAKEN+=($((SECONDS - t0)))
+    if [ "$status" -eq 0 ]; then RESULTS+=("pass"); else RESULTS+=("FAIL ($status)"); fi
+}
+
+env_report() {
+    nvidia-smi -L || return 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+    git log -1 --oneline 2>/dev/null || true
+}
+
+pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
+    local status=0
+    "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
+    [ "$status" -eq 5 ] && { echo "no tests selected by -m '$1'"; return 0; }
+    return "$status"
+}
+
+stage env      env_report
+stage tests    pytest_gpu "gpu and not gpu2" tests_gpu1
+stage tests2   pytest_gpu "gpu2" tests_gpu2
+stage check    "${EPMOE[@]}" check --device cuda --nproc 2
+stage demo     "${EPMOE[@]}" demo --device cuda --nproc 2
+stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
+stage dispatch "${EPMOE[@]}" bench dispatch --out "$OUT"
+stage ll       "${EPMOE[@]}" bench dispatch --mode ll --out "$OUT"
+stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc 2 --out "$OUT"
+
+{
+    printf '%-10s %-12s %s\n' stage result seconds
+    for i in "${!NAMES[@]}"; do
+        printf '%-10s %-12s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}"
+    done
+} | tee "$OUT/summary.txt"
+failed=$(grep -c FAIL "$OUT/summary.txt" || true)
+echo "logs and JSON in $OUT; $failed failed stage(s)"
+exit "$failed"
