@@ -1,5 +1,5 @@
 """`epmoe check`: every valid (dispatcher x experts x precision) combination at several shapes against
-the single-rank reference, one PASS/FAIL row each.
+the single-rank reference, one PASS/FAIL row each; exit code 1 if any row fails or none could run.
 
 The combinations are the cross-product filtered by the library's own validity checks
 (`list_dispatchers`, `list_experts`, `check_pairing`, via `testing.plan`). Tolerances: relative L2 norm
@@ -106,4 +106,6 @@ def check_rank(ctx: RankContext, seed: int) -> int:
                            rows))
         failures = sum(row[6] == "FAIL" for row in rows)
         print(f"{len(rows) - failures} passed, {failures} failed")
-    return int(any(row[6] == "FAIL" for row in rows))
+        if not rows:
+            print("nothing could run: every combination was skipped (see above)")
+    return int(not rows or any(row[6] == "FAIL" for row in rows))
