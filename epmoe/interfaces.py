@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
+from .symm import EmulatedGroup, group_rank_world
 
 
 class Layout(enum.Enum):
@@ -101,21 +102,21 @@ class Dispatcher(ABC):
     supports_fp8_dispatch: ClassVar[bool] = False
     needs_host_sync: ClassVar[bool] = True
 
-    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, **options: Any) -> None:
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None = None,
+                 **options: Any) -> None:
         if options:
             raise ValueError(f"dispatcher {self.name!r} takes no options {sorted(options)}")
         self.cfg = cfg
         self.group = group
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.first_expert = self.rank * self.num_local_experts
 
     @classmethod
-    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | None) -> tuple[bool, str]:
+    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[bool, str]:
         """(available, reason) for this config and group, without side effects."""
-        if group is None:
-            return False, "needs a process group"
+        if not isinstance(group, dist.ProcessGroup):
+            return False, "needs a torch.distributed process group"
         world = dist.get_world_size(group)
         if cfg.num_experts % world:
             return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
