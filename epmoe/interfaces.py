@@ -62,7 +62,8 @@ class ExpertBatch:
 def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
 
-    Reads ids_TK's min and max on the host (one sync) to check the range.
+    Reads ids_TK's min and max on the host (one sync) to check the range, except while a CUDA graph is
+    being captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
     """
     D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
     if x_TD.dim() != 2 or x_TD.shape[1] != D:
@@ -81,7 +82,8 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
-    if T and ids_TK.numel():
+    capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
+    if T and ids_TK.numel() and not capturing:
         lo, hi = int(ids_TK.min()), int(ids_TK.max())  # host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi
