@@ -143,7 +143,7 @@ def _dispatch_send_kernel(
                 amax = tl.max(tl.reshape(tl.abs(xf), (CHUNK // 128, 128)), axis=1)
                 scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
                 s_full = tl.reshape(tl.broadcast_to(scale[:, None], (CHUNK // 128, 128)), (CHUNK,))
-                v = tl.clamp(tl.math.div_rn(xf, s_full), -448.0, 448.0)
+                v = tl.minimum(tl.maximum(tl.math.div_rn(xf, s_full), -448.0), 448.0)
                 if INTERPRET:
                     v = _round_e4m3(v)
                 q = v.to(tl.float8e4nv)
