@@ -112,10 +112,10 @@ def check_batch(cfg: MoEConfig, R: int, inputs, dest: int, batch) -> list[str]:
     got_counts = [len(e) for e in exp]
     if counts.tolist() != got_counts:
         return [f"rank {dest}: counts {counts.tolist()} != expected {got_counts}"]
-    x = batch.x.cpu()
-    xs = x.float() if batch.x_scale is None else dequantize_act_ref(x, batch.x_scale.cpu())
     for l, e in enumerate(exp):
-        got = xs[l, :len(e)]
+        n = len(e)
+        x = batch.x[l, :n].cpu()
+        got = x.float() if batch.x_scale is None else dequantize_act_ref(x, batch.x_scale[l, :n].cpu())
         if not torch.equal(_sorted_rows(got), _sorted_rows(e)):
             errors.append(f"rank {dest}: rows of local expert {l} differ")
     return errors
@@ -163,6 +163,7 @@ def run_calls(dispatchers, cfg: MoEConfig, calls) -> list[str]:
         outs = emulate_combine(dispatchers, ys, batches)
         for r, out in enumerate(outs):
             errors += check_out(cfg, inputs, r, out, dispatchers[0].combine_mode)
+    assert not any(d.timed_out() for d in dispatchers)
     return errors
 
 
@@ -260,6 +261,8 @@ def _gpu_worker(ctx, case, replays: int) -> list[str]:
         errors += check_batch(cfg, R, inputs, ctx.rank, batch)
         out = d.combine(fake_experts(cfg, batch, d.first_expert), batch)
         errors += check_out(cfg, inputs, ctx.rank, out, combine)
+    if d.timed_out():
+        return errors + [f"rank {ctx.rank}: a device-side wait timed out"]
     if not replays:
         return errors
     # One captured graph, replayed with new routing; unused tokens are marked by ids = -1.
@@ -297,6 +300,8 @@ def _gpu_worker(ctx, case, replays: int) -> list[str]:
         errors += [f"replay {i}: {e}" for e in errs]
         if errors:
             break
+    if d.timed_out():
+        errors.append(f"rank {ctx.rank}: a device-side wait timed out during the replays")
     return errors
 
 

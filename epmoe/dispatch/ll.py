@@ -161,6 +161,7 @@ class LLDispatcher(Dispatcher):
             BufferSpec("signal", (2,), torch.int64),
             BufferSpec("seq", (2,), torch.int64),
             BufferSpec("finish", (kernels.FINISH_SLOTS,), torch.int32),
+            BufferSpec("error", (1,), torch.int32),
             BufferSpec("counts", (L,), torch.int32),
             BufferSpec("route", (Tmax, K), torch.int32),
             BufferSpec("wloc", (Tmax, K), torch.float32),
@@ -174,20 +175,25 @@ class LLDispatcher(Dispatcher):
         self._launch = kernels.ll_launch(D, R, Tmax, self.device)
 
     def _make_buffers(self, ws: Workspace) -> kernels.LLBuffers:
-        return kernels.LLBuffers(
-            recv_x=ws.local("recv_x"), recv_scale=ws.local("recv_scale") if self.quant else None,
-            cnt=ws.local("cnt"), idx=ws.local("idx"), wtab=ws.local("wtab"),
-            src_tokens=ws.local("src_tokens"), comb=ws.local("comb"), signal=ws.local("signal"),
-            seq=ws.local("seq"), finish=ws.local("finish"), counts=ws.local("counts"),
-            route=ws.local("route"), wloc=ws.local("wloc"),
-            recv_x_R=ws.peers("recv_x"), recv_scale_R=ws.peers("recv_scale"), idx_R=ws.peers("idx"),
-            wtab_R=ws.peers("wtab"), cnt_R=ws.peers("cnt"), src_tokens_R=ws.peers("src_tokens"),
-            comb_R=ws.peers("comb"), signal_R=ws.peers("signal"))
+        def offsets(name: str) -> torch.Tensor:
+            """int64 [R]: element offset from this rank's buffer `name` to each rank's."""
+            peers = ws.peers(name)
+            return (peers - ws.local(name).data_ptr()) // ws.local(name).element_size()
+
+        local = {name: ws.local(name) for name in ws.specs}
+        peer = {f"{name}_dR": offsets(name) for name in
+                ("recv_x", "recv_scale", "idx", "wtab", "cnt", "src_tokens", "comb", "signal")}
+        return kernels.LLBuffers(**local, **peer)
 
     @property
     def rows_per_expert(self) -> int:
         """M = R * Tmax, the second dimension of the batched layout."""
         return self.world_size * self.cfg.max_tokens_per_rank
+
+    def timed_out(self) -> bool:
+        """Whether any device-side wait of this rank gave up (~10 s without a peer's signal: a peer
+        failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
+        return bool(self._buffers.error.item())
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -209,7 +215,8 @@ class LLDispatcher(Dispatcher):
             raise ValueError(f"x_TD is on {x_TD.device}, the dispatcher's buffers on {self.device}")
         kernels.dispatch_send(self._buffers, x_TD.contiguous(), ids_TK.contiguous(),
                               weights_TK.float().contiguous(), rank=self.rank,
-                              num_experts=self.cfg.num_experts, reduce=self.reduce, launch=self._launch)
+                              num_experts=self.cfg.num_experts, quant=self.quant, reduce=self.reduce,
+                              launch=self._launch)
         return LLHandle(num_tokens=T)
 
     def dispatch_recv(self, handle: LLHandle) -> ExpertBatch:
@@ -221,8 +228,8 @@ class LLDispatcher(Dispatcher):
         """
         b = self._buffers
         kernels.dispatch_recv(b)
-        return ExpertBatch(layout=Layout.BATCHED, x=b.recv_x, x_scale=b.recv_scale, counts_L=b.counts,
-                           offsets_L1=None, handle=handle)
+        return ExpertBatch(layout=Layout.BATCHED, x=b.recv_x, x_scale=b.recv_scale if self.quant else None,
+                           counts_L=b.counts, offsets_L1=None, handle=handle)
 
     def combine_send(self, y_LMD: torch.Tensor, batch: ExpertBatch) -> LLHandle:
         """Start the combine: launch the stores of expert outputs y [L, M, D] (cfg.dtype) back to

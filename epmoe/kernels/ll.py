@@ -25,9 +25,9 @@ import triton.language as tl
 
 from ..config import FP8_BLOCK
 
-_DISPATCH_SIGNAL, _COMBINE_SIGNAL = 0, 1  # slots of the signal buffer [2] (int64, monotone)
-_DISPATCH_SEQ, _COMBINE_SEQ = 0, 1  # slots of the sequence buffer [2] (int64, local)
+# signal [2] and seq [2] hold slot 0 for dispatch, slot 1 for combine.
 FINISH_SLOTS = 3  # int32 finish counters: dispatch_send, combine_send, combine_recv
+SPIN_LIMIT = tl.constexpr(1 << 24)  # polls (~10 s) before a wait gives up and raises the error flag
 
 
 @dataclass(frozen=True)
@@ -75,16 +75,24 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _wait_geq(ptr, target):
-    """Spin until the int64 at ptr (written by other GPUs) reaches target, then acquire."""
+def _wait_geq(ptr, target, err_ptr):
+    """Spin until the int64 at ptr (written by other GPUs) reaches target, then acquire.
+
+    After SPIN_LIMIT polls it stops waiting and sets err_ptr[0] = 1 (a peer is gone or the calls
+    are out of order), so a protocol error shows up as a flag instead of a hung GPU.
+    """
     cur = tl.load(ptr, volatile=True)
-    while cur < target:
+    polls = 0
+    while (cur < target) & (polls < SPIN_LIMIT):
         cur = tl.load(ptr, volatile=True)
+        polls += 1
+    if cur < target:
+        tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
     tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
-def _finish(fin_ptr, sig_R, slot, R):
+def _finish(fin_ptr, sig_ptr, sig_dR, slot, R):
     """Count this program done; the last program of the grid resets the counter and signals every rank.
 
     Call after tl.debug_barrier(), so the program's stores are ordered before its count (release) and
@@ -94,14 +102,14 @@ def _finish(fin_ptr, sig_R, slot, R):
     if done == tl.num_programs(0) - 1:
         tl.atomic_xchg(fin_ptr, 0, sem="relaxed", scope="sys")
         for r in range(R):
-            sig = tl.load(sig_R + r).to(tl.pointer_type(tl.int64))
-            tl.atomic_add(sig + slot, 1, sem="release", scope="sys")
+            tl.atomic_add(sig_ptr + tl.load(sig_dR + r) + slot, 1, sem="release", scope="sys")
 
 
 @triton.jit
 def _dispatch_send_kernel(
     x_ptr, ids_ptr, w_ptr, T,
-    recv_x_R, recv_scale_R, idx_R, wtab_R, cnt_R, src_tokens_R, sig_R,
+    recv_x_ptr, recv_x_dR, recv_scale_ptr, recv_scale_dR, idx_ptr, idx_dR, wtab_ptr, wtab_dR,
+    cnt_ptr, cnt_dR, src_tokens_ptr, src_tokens_dR, sig_ptr, sig_dR,
     route_ptr, wloc_ptr, fin_ptr,
     rank, R, E, L, M, Tmax, D, K, G,
     QUANT: tl.constexpr, SEND_WEIGHTS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -115,25 +123,24 @@ def _dispatch_send_kernel(
         valid = kmask & (ids >= 0) & (ids < E)
         dest = tl.where(valid, ids // L, 0)
         local = tl.where(valid, ids - dest * L, 0)
-        cnt = tl.load(cnt_R + dest).to(tl.pointer_type(tl.int32))
-        pos = tl.atomic_add(cnt + local, 1, mask=valid, sem="relaxed", scope="sys")
+        cnt = cnt_ptr + tl.load(cnt_dR + dest) + local  # the destination's counter of each slot
+        pos = tl.atomic_add(cnt, 1, mask=valid, sem="relaxed", scope="sys")
         sent = valid & (pos < M)  # pos >= M only if a token repeats an expert; such slots are dropped
         row = tl.where(sent, local.to(tl.int64) * M + pos, 0)
         w = tl.load(w_ptr + pid * K + ks, mask=kmask, other=0.0)
         tl.store(route_ptr + pid * K + ks, tl.where(sent, dest, -1), mask=kmask)
         tl.store(wloc_ptr + pid * K + ks, w, mask=kmask)
         for r in range(R):
-            idx = tl.load(idx_R + r).to(tl.pointer_type(tl.int32))
+            entry = (rank * Tmax + pid) * K + ks
             here = sent & (dest == r)
-            tl.store(idx + (rank * Tmax + pid) * K + ks, tl.where(here, row, -1).to(tl.int32), mask=kmask)
+            tl.store(idx_ptr + tl.load(idx_dR + r) + entry, tl.where(here, row, -1).to(tl.int32), mask=kmask)
             if SEND_WEIGHTS:
-                wtab = tl.load(wtab_R + r).to(tl.pointer_type(tl.float32))
-                tl.store(wtab + (rank * Tmax + pid) * K + ks, w, mask=kmask)
+                tl.store(wtab_ptr + tl.load(wtab_dR + r) + entry, w, mask=kmask)
+        # Peer buffers are this rank's buffer plus an element offset; the hint (offsets are multiples
+        # of 256 bytes) lets the row stores vectorize.
+        xdst = recv_x_ptr + tl.multiple_of(tl.load(recv_x_dR + dest), 16)
         if QUANT:
-            xdst = tl.load(recv_x_R + dest).to(tl.pointer_type(tl.float8e4nv))
-            sdst = tl.load(recv_scale_R + dest).to(tl.pointer_type(tl.float32))
-        else:
-            xdst = tl.load(recv_x_R + dest).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            sdst = recv_scale_ptr + tl.multiple_of(tl.load(recv_scale_dR + dest), 16)
         for c0 in range(0, D, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             cm = cols < D
@@ -157,16 +164,15 @@ def _dispatch_send_kernel(
                      tl.broadcast_to(q[None, :], (BLOCK_K, CHUNK)), mask=sent[:, None] & cm[None, :])
     if pid == 0:
         for r in range(R):
-            src_tokens = tl.load(src_tokens_R + r).to(tl.pointer_type(tl.int32))
-            tl.store(src_tokens + rank, T)
+            tl.store(src_tokens_ptr + tl.load(src_tokens_dR + r) + rank, T)
     tl.debug_barrier()
-    _finish(fin_ptr, sig_R, 0, R)
+    _finish(fin_ptr, sig_ptr, sig_dR, 0, R)
 
 
 @triton.jit
-def _dispatch_recv_kernel(sig_ptr, seq_ptr, cnt_ptr, counts_ptr, L, M, R, BLOCK_L: tl.constexpr):
+def _dispatch_recv_kernel(sig_ptr, seq_ptr, err_ptr, cnt_ptr, counts_ptr, L, M, R, BLOCK_L: tl.constexpr):
     seq = tl.load(seq_ptr + 0) + 1
-    _wait_geq(sig_ptr + 0, seq * R)
+    _wait_geq(sig_ptr + 0, seq * R, err_ptr)
     for l0 in range(0, L, BLOCK_L):
         ls = l0 + tl.arange(0, BLOCK_L)
         lm = ls < L
@@ -177,7 +183,7 @@ def _dispatch_recv_kernel(sig_ptr, seq_ptr, cnt_ptr, counts_ptr, L, M, R, BLOCK_
 
 @triton.jit
 def _combine_send_kernel(
-    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_R, sig_R, fin_ptr,
+    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_ptr, comb_dR, sig_ptr, sig_dR, fin_ptr,
     rank, R, Tmax, D, K,
     REDUCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -194,7 +200,7 @@ def _combine_send_kernel(
             idx = tl.load(idx_ptr + (s * Tmax + t) * K + ks, mask=kmask, other=-1, cache_modifier=".cg")
             valid = idx >= 0
             if tl.max(valid.to(tl.int32), axis=0) > 0:
-                comb = tl.load(comb_R + s).to(tl.pointer_type(y_ptr.dtype.element_ty))
+                comb = comb_ptr + tl.multiple_of(tl.load(comb_dR + s), 16)
                 if REDUCE:
                     w = tl.load(wtab_ptr + (s * Tmax + t) * K + ks, mask=valid, other=0.0, cache_modifier=".cg")
                 for c0 in range(0, D, CHUNK):
@@ -208,18 +214,18 @@ def _combine_send_kernel(
                     else:
                         tl.store(comb + (t * K + ks).to(tl.int64)[:, None] * D + cols[None, :], tile, mask=m2)
     tl.debug_barrier()
-    _finish(fin_ptr, sig_R, 1, R)
+    _finish(fin_ptr, sig_ptr, sig_dR, 1, R)
 
 
 @triton.jit
 def _combine_recv_kernel(
-    comb_ptr, route_ptr, wloc_ptr, out_ptr, T, sig_ptr, seq_ptr, fin_ptr,
+    comb_ptr, route_ptr, wloc_ptr, out_ptr, T, sig_ptr, seq_ptr, err_ptr, fin_ptr,
     R, K, D,
     REDUCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     seq = tl.load(seq_ptr + 1) + 1
-    _wait_geq(sig_ptr + 1, seq * R)
+    _wait_geq(sig_ptr + 1, seq * R, err_ptr)
     if pid < T:
         ks = tl.arange(0, BLOCK_K)
         kmask = ks < K
@@ -251,17 +257,19 @@ def _combine_recv_kernel(
 
 @dataclass(frozen=True)
 class LLBuffers:
-    """One rank's `ll` buffers: local tensors, and int64 [R] peer address tables (`*_R`).
+    """One rank's `ll` buffers: local tensors, and for the peer-written ones an int64 [R] table
+    (`*_dR`) of element offsets from this rank's buffer to each rank's (peer address - own address,
+    divided by the element size; 0 for this rank).
 
-    recv_x [L, M, D] (float8_e4m3fn or cfg.dtype) and recv_scale [L, M, G] float32 (fp8 only);
-    cnt [L] int32; idx [R, Tmax, K] int32; wtab [R, Tmax, K] float32; src_tokens [R] int32;
-    comb [Tmax, K, D] ("source") or [Tmax, R, D] ("reduce"), cfg.dtype; signal [2] int64 (monotone);
-    seq [2] int64, finish [3] int32, counts [L] int32, route [Tmax, K] int32, wloc [Tmax, K] float32
-    are this rank's own.
+    recv_x [L, M, D] (float8_e4m3fn or cfg.dtype) and recv_scale [L, M, G] float32 (a [1] stand-in
+    without fp8); cnt [L] int32; idx [R, Tmax, K] int32; wtab [R, Tmax, K] float32 (a [1] stand-in for
+    combine="source"); src_tokens [R] int32; comb [Tmax, K, D] ("source") or [Tmax, R, D] ("reduce"),
+    cfg.dtype; signal [2] int64 (monotone). This rank's own: seq [2] int64, finish [3] int32,
+    error [1] int32 (a wait gave up), counts [L] int32, route [Tmax, K] int32, wloc [Tmax, K] float32.
     """
 
     recv_x: torch.Tensor
-    recv_scale: torch.Tensor | None
+    recv_scale: torch.Tensor
     cnt: torch.Tensor
     idx: torch.Tensor
     wtab: torch.Tensor
@@ -270,29 +278,30 @@ class LLBuffers:
     signal: torch.Tensor
     seq: torch.Tensor
     finish: torch.Tensor
+    error: torch.Tensor
     counts: torch.Tensor
     route: torch.Tensor
     wloc: torch.Tensor
-    recv_x_R: torch.Tensor
-    recv_scale_R: torch.Tensor
-    idx_R: torch.Tensor
-    wtab_R: torch.Tensor
-    cnt_R: torch.Tensor
-    src_tokens_R: torch.Tensor
-    comb_R: torch.Tensor
-    signal_R: torch.Tensor
+    recv_x_dR: torch.Tensor
+    recv_scale_dR: torch.Tensor
+    idx_dR: torch.Tensor
+    wtab_dR: torch.Tensor
+    cnt_dR: torch.Tensor
+    src_tokens_dR: torch.Tensor
+    comb_dR: torch.Tensor
+    signal_dR: torch.Tensor
 
 
 def dispatch_send(b: LLBuffers, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *, rank: int,
-                  num_experts: int, reduce: bool, launch: LLLaunch) -> None:
+                  num_experts: int, quant: bool, reduce: bool, launch: LLLaunch) -> None:
     """Launch the dispatch stores of T tokens (grid max(T, 1); a rank with 0 tokens still signals)."""
     T, D = x_TD.shape
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
     R, Tmax, K = b.idx.shape
-    quant = b.recv_scale is not None
     _dispatch_send_kernel[(max(T, 1),)](
         x_TD, ids_TK, w_TK, T,
-        b.recv_x_R, b.recv_scale_R, b.idx_R, b.wtab_R, b.cnt_R, b.src_tokens_R, b.signal_R,
+        b.recv_x, b.recv_x_dR, b.recv_scale, b.recv_scale_dR, b.idx, b.idx_dR, b.wtab, b.wtab_dR,
+        b.cnt, b.cnt_dR, b.src_tokens, b.src_tokens_dR, b.signal, b.signal_dR,
         b.route, b.wloc, b.finish[0:],
         rank, R, num_experts, L, M, Tmax, D, K, triton.cdiv(D, FP8_BLOCK),
         QUANT=quant, SEND_WEIGHTS=reduce, INTERPRET=launch.interpret,
@@ -302,7 +311,7 @@ def dispatch_send(b: LLBuffers, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: 
 def dispatch_recv(b: LLBuffers) -> None:
     """Launch the wait for every rank's dispatch signal; then b.counts holds this call's counts_L."""
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
-    _dispatch_recv_kernel[(1,)](b.signal, b.seq, b.cnt, b.counts, L, M, b.idx.shape[0],
+    _dispatch_recv_kernel[(1,)](b.signal, b.seq, b.error, b.cnt, b.counts, L, M, b.idx.shape[0],
                                 BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4)
 
 
@@ -310,7 +319,7 @@ def combine_send(b: LLBuffers, y_LMD: torch.Tensor, *, rank: int, reduce: bool, 
     """Launch the stores of expert outputs back to their source ranks."""
     R, Tmax, K = b.idx.shape
     _combine_send_kernel[(launch.combine_programs,)](
-        y_LMD, b.idx, b.wtab, b.src_tokens, b.comb_R, b.signal_R, b.finish[1:],
+        y_LMD, b.idx, b.wtab, b.src_tokens, b.comb, b.comb_dR, b.signal, b.signal_dR, b.finish[1:],
         rank, R, Tmax, y_LMD.shape[-1], K,
         REDUCE=reduce, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
         CHUNK=launch.chunk, num_warps=launch.num_warps)
@@ -321,7 +330,7 @@ def combine_recv(b: LLBuffers, out_TD: torch.Tensor, *, reduce: bool, launch: LL
     T, D = out_TD.shape
     R, _, K = b.idx.shape
     _combine_recv_kernel[(max(T, 1),)](
-        b.comb, b.route, b.wloc, out_TD, T, b.signal, b.seq, b.finish[2:],
+        b.comb, b.route, b.wloc, out_TD, T, b.signal, b.seq, b.error, b.finish[2:],
         R, K, D,
         REDUCE=reduce, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
         CHUNK=launch.chunk, num_warps=launch.num_warps)
