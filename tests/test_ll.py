@@ -57,16 +57,16 @@ def as_sent(cfg: MoEConfig, x_TD: torch.Tensor) -> torch.Tensor:
     return x_TD.float()
 
 
-def expert_scale(E: int) -> torch.Tensor:
+def expert_scale(E: int, device="cpu") -> torch.Tensor:
     """The stand-in expert: expert e multiplies its rows by (e + 1) / E."""
-    return (torch.arange(E, dtype=torch.float32) + 1) / E
+    return (torch.arange(E, dtype=torch.float32, device=device) + 1) / E
 
 
 def fake_experts(cfg: MoEConfig, batch, first_expert: int) -> torch.Tensor:
     """y [L, M, D] = scale(e) * x for rows below counts_L, NaN in padding rows. No host sync."""
     x = batch.x.float() if batch.x_scale is None else dequantize_act_ref(batch.x, batch.x_scale)
     L, M = x.shape[:2]
-    s = expert_scale(cfg.num_experts).to(x.device)[first_expert:first_expert + L]
+    s = expert_scale(cfg.num_experts, x.device)[first_expert:first_expert + L]  # no copy: graph-safe
     pad = torch.arange(M, device=x.device)[None, :] >= batch.counts_L[:, None]
     y = torch.where(pad[..., None], float("nan"), x * s[:, None, None])
     return y.to(cfg.dtype)
@@ -186,6 +186,20 @@ def test_emulated_consecutive_calls(R, E, K, D, Tmax, quant, combine):
     tokens = [[Tmax] * R, [1] + [0] * (R - 1), [Tmax - 1, 0] + [Tmax] * (R - 2), [Tmax] * R]
     calls = [make_inputs(cfg, R, t, seed=i, skew=(i == 3), drop=0.0 if i == 0 else 0.25)
              for i, t in enumerate(tokens)]
+    assert run_calls(dispatchers, cfg, calls) == []
+
+
+def test_emulated_static_max_size_inputs():
+    """What graph replays do: T stays Tmax, unused tokens carry ids -1, the active count changes."""
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=8, quant="fp8_block",
+                    max_tokens_per_rank=6)
+    dispatchers = make_world(cfg, 2, "reduce")
+    calls = []
+    for i, active in enumerate([(6, 6), (2, 0), (0, 5), (1, 1), (6, 3)]):
+        inputs = make_inputs(cfg, 2, [6, 6], seed=50 + i, drop=0.0)
+        for (_, ids, _), n in zip(inputs, active):
+            ids[n:] = -1
+        calls.append(inputs)
     assert run_calls(dispatchers, cfg, calls) == []
 
 

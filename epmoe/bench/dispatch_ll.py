@@ -39,6 +39,7 @@ MODELS = {
 }
 TOKENS = (1, 32, 128, 256)
 _GRAPH_PAIRS = 16
+_GOAL_DISPATCH_US, _GOAL_COMBINE_US, _GOAL_RATIO = 12.0, 15.0, 5.0  # issue 5's targets
 _SLEEP_CYCLES = 20_000_000  # ~10 ms on an H200: lets the host queue a whole timing batch
 
 
@@ -151,8 +152,9 @@ def _rank_main(ctx, tokens: tuple[int, ...], iters: int, models: tuple[str, ...]
         for T in tokens:
             row = {"model": model, "tokens": T, "D": cfg.hidden_size, "E": cfg.num_experts, "K": cfg.top_k}
             for mode, d in ll.items():
-                r = _time_ll(d, cfg, T, ctx.rank, iters)
-                row[f"ll_{mode}"] = r
+                row[f"ll_{mode}"] = _time_ll(d, cfg, T, ctx.rank, iters)
+                if d.timed_out():
+                    raise RuntimeError(f"ll ({mode}) device-side wait timed out at T={T}")
             row["alltoall"] = _time_eager(a2a, cfg_bf16, T, ctx.rank, max(10, iters // 5))
             if ht is not None:
                 try:
@@ -197,6 +199,15 @@ def _table(rows: list[dict]) -> str:
             f"{a2a['combine_us']:>9.1f}{a2a['dispatch_us'] / ll['dispatch_us']:>7.1f}"
             f"{a2a['combine_us'] / best_comb:>7.1f} | {ht_cols}")
     lines.append("times in us (median, slower rank); x = alltoall / ll (combine: the faster ll mode)")
+    for r in rows:
+        if r.get("model") == "deepseek-v3" and r["tokens"] == 128:
+            ll, a2a = r["ll_reduce"], r["alltoall"]
+            comb = min(ll["combine_us"], r["ll_source"]["combine_us"])
+            ok = (ll["dispatch_us"] <= _GOAL_DISPATCH_US and comb <= _GOAL_COMBINE_US
+                  and a2a["dispatch_us"] / ll["dispatch_us"] >= _GOAL_RATIO
+                  and a2a["combine_us"] / comb >= _GOAL_RATIO)
+            lines.append(f"goal at 128 tokens, D 7168 (dispatch <= {_GOAL_DISPATCH_US} us, combine <= "
+                         f"{_GOAL_COMBINE_US} us, >= {_GOAL_RATIO}x alltoall): {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
 
 

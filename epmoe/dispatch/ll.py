@@ -191,8 +191,8 @@ class LLDispatcher(Dispatcher):
         return self.world_size * self.cfg.max_tokens_per_rank
 
     def timed_out(self) -> bool:
-        """Whether any device-side wait of this rank gave up (~10 s without a peer's signal: a peer
-        failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
+        """Whether any device-side wait of this rank gave up (a minute or more without a peer's
+        signal: a peer failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
         return bool(self._buffers.error.item())
 
     # ---- phases -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ..config import FP8_BLOCK
 
 # signal [2] and seq [2] hold slot 0 for dispatch, slot 1 for combine.
 FINISH_SLOTS = 3  # int32 finish counters: dispatch_send, combine_send, combine_recv
-SPIN_LIMIT = tl.constexpr(1 << 24)  # polls (~10 s) before a wait gives up and raises the error flag
+SPIN_LIMIT = tl.constexpr(1 << 27)  # polls (a minute or more) before a wait gives up and flags an error
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def _wait_geq(ptr, target, err_ptr):
     """Spin until the int64 at ptr (written by other GPUs) reaches target, then acquire.
 
     After SPIN_LIMIT polls it stops waiting and sets err_ptr[0] = 1 (a peer is gone or the calls
-    are out of order), so a protocol error shows up as a flag instead of a hung GPU.
+    are out of order), so a protocol error shows up as a flag instead of a hung GPU. The limit is
+    generous because a peer's first call may still be compiling its kernels.
     """
     cur = tl.load(ptr, volatile=True)
     polls = 0
