@@ -46,8 +46,9 @@ recv_x[l] are stale (padding): nothing reads them.
 
 Requirements: on each rank, calls run in the order dispatch_send, dispatch_recv, combine_send,
 combine_recv, on one stream, and every rank makes the same calls (T may differ, and may be 0). The
-ExpertBatch stays valid until the next dispatch_recv. For two micro-batches in flight at once use
-two dispatchers (separate buffers). Token ids must be distinct per token (as `route` gives): a slot
+ExpertBatch's rows (x, x_scale) are valid until this rank's combine_send of the same call (after it,
+peers may start the next dispatch into them); counts_L until the next dispatch_recv. For two
+micro-batches in flight at once use two dispatchers (separate buffers). Token ids must be distinct per token (as `route` gives): a slot
 that would overflow an expert's M rows (only possible with repeated ids) is dropped, never written.
 Ids outside [0, E) are treated as -1 by the kernels (check_tokens refuses them outside graph capture).
 
@@ -223,8 +224,9 @@ class LLDispatcher(Dispatcher):
         """Finish the dispatch: launch a device-side wait for every rank's rows; return the batch.
 
         Returns ExpertBatch(BATCHED): x [L, M, D] (and x_scale [L, M, G] for fp8) and counts_L [L] are
-        views of fixed buffers, valid until the next dispatch_recv; rows of expert l are x[l, :counts_L[l]]
-        in no particular order.
+        fixed buffers (the same tensors every call, so graph-safe); rows of expert l are
+        x[l, :counts_L[l]] in no particular order. x and x_scale hold until this call's combine_send,
+        counts_L until the next dispatch_recv.
         """
         b = self._buffers
         kernels.dispatch_recv(b)
