@@ -86,13 +86,13 @@ class LLDispatcher(Dispatcher):
 
     Args:
         cfg: the layer config; buffers are sized from cfg.max_tokens_per_rank (Tmax): recv_x alone is
-            E * R * Tmax * D bytes per rank in fp8 (twice that in bf16), so set Tmax to the decode
-            batch, not the prefill chunk.
+            E * Tmax * D bytes per rank in fp8 (twice that in bf16; 470 MB for E 256, D 7168, Tmax 256),
+            so set Tmax to the decode batch, not the prefill chunk.
         group: an NCCL process group of ranks on one host (torch symmetric memory), or an
             EmulatedGroup (all ranks in one process, for tests).
         combine: "reduce" (default): each expert rank sums the slots it holds per token, weighted,
             and sends one row per (token, rank); "source": each slot's row goes back as is and the
-            source applies the weights (one more bf16 rounding fewer, K / R times the bytes).
+            source applies the weights (no rounding of partial sums, about K / R times the bytes).
         device: where the buffers live (EmulatedGroup only; default CPU). With a process group they
             live on the current CUDA device.
 
@@ -127,8 +127,9 @@ class LLDispatcher(Dispatcher):
             return False, f"world size {world} exceeds {_MAX_PEERS} (one NVLink domain)"
         if cfg.num_experts % world:
             return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
-        if cfg.num_experts * cfg.max_tokens_per_rank * max(cfg.top_k, world) >= 2 ** 31:
-            return False, "E * max_tokens_per_rank too large for int32 row indices"
+        Tmax = cfg.max_tokens_per_rank
+        if max(cfg.num_experts * Tmax, world * Tmax * cfg.top_k) >= 2 ** 31:
+            return False, f"max_tokens_per_rank={Tmax} too large for int32 row indices"
         return True, "ok"
 
     def __init__(self, cfg: MoEConfig, group, combine: str = "reduce",
