@@ -79,12 +79,14 @@ def _wait_geq(ptr, target, err_ptr):
     """Spin until the int64 at ptr (written by other GPUs) reaches target, then acquire.
 
     After SPIN_LIMIT polls it stops waiting and sets err_ptr[0] = 1 (a peer is gone or the calls
-    are out of order), so a protocol error shows up as a flag instead of a hung GPU. The limit is
+    are out of order), so a protocol error shows up as a flag instead of a hung GPU; once the flag
+    is set, waits stop spinning (results are garbage until the dispatcher is rebuilt). The limit is
     generous because a peer's first call may still be compiling its kernels.
     """
+    healthy = tl.load(err_ptr, volatile=True) == 0  # after one time-out, later waits do not spin
     cur = tl.load(ptr, volatile=True)
     polls = 0
-    while (cur < target) & (polls < SPIN_LIMIT):
+    while (cur < target) & (polls < SPIN_LIMIT) & healthy:
         cur = tl.load(ptr, volatile=True)
         polls += 1
     if cur < target:
