@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
+from .symm import EmulatedGroup, group_rank_world
 
 
 class Layout(enum.Enum):
@@ -61,7 +62,8 @@ class ExpertBatch:
 def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
 
-    Reads ids_TK's min and max on the host (one sync) to check the range.
+    Reads ids_TK's min and max on the host (one sync) to check the range, except while a CUDA graph is
+    being captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
     """
     D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
     if x_TD.dim() != 2 or x_TD.shape[1] != D:
@@ -80,7 +82,8 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
-    if T and ids_TK.numel():
+    capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
+    if T and ids_TK.numel() and not capturing:
         lo, hi = int(ids_TK.min()), int(ids_TK.max())  # host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi
@@ -101,21 +104,21 @@ class Dispatcher(ABC):
     supports_fp8_dispatch: ClassVar[bool] = False
     needs_host_sync: ClassVar[bool] = True
 
-    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, **options: Any) -> None:
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None = None,
+                 **options: Any) -> None:
         if options:
             raise ValueError(f"dispatcher {self.name!r} takes no options {sorted(options)}")
         self.cfg = cfg
         self.group = group
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.first_expert = self.rank * self.num_local_experts
 
     @classmethod
-    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | None) -> tuple[bool, str]:
+    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[bool, str]:
         """(available, reason) for this config and group, without side effects."""
-        if group is None:
-            return False, "needs a process group"
+        if not isinstance(group, dist.ProcessGroup):
+            return False, "needs a torch.distributed process group"
         world = dist.get_world_size(group)
         if cfg.num_experts % world:
             return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"

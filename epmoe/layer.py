@@ -15,6 +15,7 @@ from .config import MoEConfig
 from .interfaces import check_pairing, check_tokens
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import route
+from .symm import group_rank_world
 
 
 class GatedMLP(torch.nn.Module):
@@ -59,8 +60,7 @@ class FusedMoE(torch.nn.Module):
         self.cfg = cfg
         self.group = group
         self.device = default_device() if device is None else torch.device(device)
-        self.world_size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
+        self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.dispatcher = make_dispatcher(dispatcher, cfg, group)
         self.experts = make_experts(experts, cfg, self.num_local_experts, self.device)

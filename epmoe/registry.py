@@ -17,6 +17,7 @@ _DISPATCHERS = {
     "local": "epmoe.dispatch.local:LocalDispatcher",
     "allgather": "epmoe.dispatch.allgather:AllGatherDispatcher",
     "alltoall": "epmoe.dispatch.alltoall:AllToAllDispatcher",
+    "ll": "epmoe.dispatch.ll:LLDispatcher",
 }
 _EXPERTS = {
     "reference": "epmoe.experts.reference:ReferenceExperts",

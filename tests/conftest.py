@@ -1,6 +1,15 @@
-"""Markers: `gpu` needs CUDA, `gpu2` needs two CUDA devices; both are skipped where they are missing."""
+"""Test set-up: run Triton kernels on CPU tensors through the interpreter when there is no GPU, and skip
+tests marked `gpu` (needs CUDA) or `gpu2` (needs two CUDA devices) where those are missing.
+
+TRITON_INTERPRET must be set before triton is first imported, hence here and not in a test module.
+"""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
+from ..symm import group_rank_world
 from ..interfaces import Dispatcher, ExpertBatch, Layout
 from ._layout import PairOrder, sort_pairs, weighted_sum_to_rows
 
@@ -31,7 +32,7 @@ class LocalDispatcher(Dispatcher):
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | None) -> tuple[bool, str]:
-        if group is not None and dist.get_world_size(group) != 1:
+        if group_rank_world(group)[1] != 1:
             return False, "needs a single rank (world size 1)"
         return True, "ok"
 

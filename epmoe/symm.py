@@ -1,0 +1,136 @@
+"""Symmetric workspaces: named buffers at the same offsets on every rank, reachable through peer addresses.
+
+The NVLink dispatchers (`ht`, `ll`) store rows straight into peers' buffers from Triton kernels: a
+kernel loads a peer's address from an int64 table and casts it to a pointer. Two backends:
+
+- `torch_workspace`: torch.distributed._symmetric_memory over a real process group (CUDA, one host).
+- `EmulatedGroup`: several ranks in ONE process (CPU tensors, TRITON_INTERPRET=1, or one GPU); every
+  rank's buffers are ordinary tensors and the tables hold their addresses. Ranks run phase by phase:
+  every rank's send step, then every rank's receive step, so device-side waits are already satisfied.
+
+Shape letters: R ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One named region of a workspace."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _offsets(specs: list[BufferSpec]) -> tuple[dict[str, int], int]:
+    offsets, total = {}, 0
+    for spec in specs:
+        if spec.name in offsets:
+            raise ValueError(f"buffer {spec.name!r} declared twice")
+        offsets[spec.name] = total
+        total += -(-spec.nbytes // _ALIGN) * _ALIGN
+    return offsets, max(total, _ALIGN)
+
+
+class Workspace:
+    """This rank's view of a symmetric workspace.
+
+    Attributes:
+        rank, world_size: this rank and R.
+        base_R: int64 [R] on the device: address of each rank's workspace.
+    Methods:
+        local(name): this rank's buffer as a tensor (shape and dtype of its spec).
+        peers(name): int64 [R] on the device, each rank's address of buffer `name` (cast to a pointer in
+            Triton: tl.load(table + r).to(tl.pointer_type(dtype))).
+    """
+
+    def __init__(self, specs: list[BufferSpec], raw: torch.Tensor, bases: list[int], rank: int) -> None:
+        self.specs = {s.name: s for s in specs}
+        self._offsets, _ = _offsets(specs)
+        self._raw = raw  # keeps this rank's allocation alive
+        self.rank, self.world_size = rank, len(bases)
+        self.base_R = torch.tensor(bases, dtype=torch.int64, device=raw.device)
+        self._peers = {name: self.base_R + off for name, off in self._offsets.items()}
+
+    def local(self, name: str) -> torch.Tensor:
+        spec, off = self.specs[name], self._offsets[name]
+        return self._raw[off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+    def peers(self, name: str) -> torch.Tensor:
+        return self._peers[name]
+
+
+def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: torch.device) -> Workspace:
+    """Allocate `specs` in CUDA symmetric memory on every rank of `group` (collective). Zero-filled."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    _, total = _offsets(specs)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous on older torch
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    raw = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    raw.zero_()
+    handle = symm_mem.rendezvous(raw, group=group.group_name)
+    dist.barrier(group=group)
+    ws = Workspace(specs, raw, list(handle.buffer_ptrs), dist.get_rank(group))
+    ws.handle = handle
+    return ws
+
+
+@dataclass
+class _EmulatedWorld:
+    world_size: int
+    workspaces: dict[Any, list[Workspace]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EmulatedGroup:
+    """A stand-in process group for rank `rank` of `world_size` ranks emulated in one process.
+
+    Make all ranks' groups with `EmulatedGroup.world(R)`. Dispatchers built on these share workspaces
+    through the group; only the symmetric-memory dispatchers accept them.
+    """
+
+    rank: int
+    world_size: int
+    _world: _EmulatedWorld
+
+    @staticmethod
+    def world(world_size: int) -> list["EmulatedGroup"]:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        shared = _EmulatedWorld(world_size)
+        return [EmulatedGroup(r, world_size, shared) for r in range(world_size)]
+
+    def workspace(self, key: Any, specs: list[BufferSpec], device: torch.device) -> Workspace:
+        """This rank's workspace `key`; the first rank to ask allocates every rank's (zero-filled)."""
+        table = self._world.workspaces
+        if key not in table:
+            _, total = _offsets(specs)
+            raws = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+            bases = [r.data_ptr() for r in raws]
+            table[key] = [Workspace(specs, raw, bases, r) for r, raw in enumerate(raws)]
+        return table[key][self.rank]
+
+
+def group_rank_world(group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[int, int]:
+    """(rank, world size) of a process group, an EmulatedGroup, or None (a single rank)."""
+    if group is None:
+        return 0, 1
+    if isinstance(group, EmulatedGroup):
+        return group.rank, group.world_size
+    return dist.get_rank(group), dist.get_world_size(group)

@@ -1,0 +1,349 @@
+"""Tests of the `ll` dispatcher: R ranks emulated in one process (CPU interpreter, or one GPU), and
+2 real ranks on 2 GPUs, including 100 CUDA-graph replays with changing routing and token counts.
+
+Shape letters: T tokens, D hidden size, K top-k, E experts, L local experts, M rows per expert slot,
+R ranks.
+
+Checks are exact where the data allows: every rank's received rows are compared, as a multiset per
+expert, with the rows the senders hold (quantized by epmoe.quant.quantize_act_ref for fp8); combine
+outputs against a float32 reference from the same expert outputs.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from epmoe.config import MoEConfig
+from epmoe.dispatch.ll import LLDispatcher
+from epmoe.quant import dequantize_act_ref, quantize_act_ref
+from epmoe.registry import list_dispatchers, make_dispatcher
+from epmoe.symm import EmulatedGroup
+
+EMU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- inputs and references (shared by the emulated and the multi-GPU tests) --------------------
+
+def make_inputs(cfg: MoEConfig, R: int, tokens: list[int], seed: int, skew: bool = False,
+                drop: float = 0.1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per rank (x_TD, ids_TK int32, weights_TK float32) on the CPU; ids distinct per token, some -1.
+
+    skew: every token's first choice is expert 0 (one hot expert). Deterministic in `seed`, so every
+    rank of a real run can build every rank's inputs.
+    """
+    g = torch.Generator().manual_seed(seed)
+    E, K, D = cfg.num_experts, cfg.top_k, cfg.hidden_size
+    out = []
+    for r in range(R):
+        T = tokens[r]
+        x = torch.randn(T, D, generator=g).to(cfg.dtype)
+        ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+        if skew and T:
+            first = ids[:, :1].clone()
+            ids = torch.where(ids == 0, first, ids)
+            ids[:, 0] = 0
+        ids = torch.where(torch.rand(T, K, generator=g) < drop, -1, ids)
+        w = torch.rand(T, K, generator=g) + 0.1
+        out.append((x, ids.to(torch.int32), w))
+    return out
+
+
+def as_sent(cfg: MoEConfig, x_TD: torch.Tensor) -> torch.Tensor:
+    """float32 rows as the experts see them after dispatch (fp8 round trip when quantized)."""
+    if cfg.quant == "fp8_block":
+        return dequantize_act_ref(*quantize_act_ref(x_TD))
+    return x_TD.float()
+
+
+def expert_scale(E: int, device="cpu") -> torch.Tensor:
+    """The stand-in expert: expert e multiplies its rows by (e + 1) / E."""
+    return (torch.arange(E, dtype=torch.float32, device=device) + 1) / E
+
+
+def fake_experts(cfg: MoEConfig, batch, first_expert: int) -> torch.Tensor:
+    """y [L, M, D] = scale(e) * x for rows below counts_L, NaN in padding rows. No host sync."""
+    x = batch.x.float() if batch.x_scale is None else dequantize_act_ref(batch.x, batch.x_scale)
+    L, M = x.shape[:2]
+    s = expert_scale(cfg.num_experts, x.device)[first_expert:first_expert + L]  # no copy: graph-safe
+    pad = torch.arange(M, device=x.device)[None, :] >= batch.counts_L[:, None]
+    y = torch.where(pad[..., None], float("nan"), x * s[:, None, None])
+    return y.to(cfg.dtype)
+
+
+def expected_rows(cfg: MoEConfig, R: int, inputs, dest: int) -> list[torch.Tensor]:
+    """Per local expert of rank `dest`: float32 [n, D] rows it must receive (any order)."""
+    L = cfg.num_experts // R
+    rows = [[] for _ in range(L)]
+    for x, ids, _ in inputs:
+        xs = as_sent(cfg, x)
+        for t, k in (ids >= 0).nonzero().tolist():
+            e = int(ids[t, k])
+            if e // L == dest:
+                rows[e - dest * L].append(xs[t])
+    D = cfg.hidden_size
+    return [torch.stack(r) if r else torch.zeros(0, D) for r in rows]
+
+
+def expected_out(cfg: MoEConfig, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 [T, D]: sum_k w * y, with y as fake_experts rounds it."""
+    s = expert_scale(cfg.num_experts)
+    xs = as_sent(cfg, x)
+    out = torch.zeros(x.shape[0], cfg.hidden_size)
+    for k in range(ids.shape[1]):
+        valid = ids[:, k] >= 0
+        e = ids[:, k].clamp_min(0).long()
+        y = (xs * s[e][:, None]).to(cfg.dtype).float()
+        out += torch.where(valid[:, None], w[:, k:k + 1] * y, 0.0)
+    return out
+
+
+def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
+    key = rows.double() @ torch.linspace(1.0, 2.0, rows.shape[1], dtype=torch.float64)
+    return rows[key.argsort()]
+
+
+def check_batch(cfg: MoEConfig, R: int, inputs, dest: int, batch) -> list[str]:
+    """Compare one rank's ExpertBatch with the expected rows; returns failure messages."""
+    errors = []
+    exp = expected_rows(cfg, R, inputs, dest)
+    counts = batch.counts_L.cpu()
+    got_counts = [len(e) for e in exp]
+    if counts.tolist() != got_counts:
+        return [f"rank {dest}: counts {counts.tolist()} != expected {got_counts}"]
+    for l, e in enumerate(exp):
+        n = len(e)
+        x = batch.x[l, :n].cpu()
+        got = x.float() if batch.x_scale is None else dequantize_act_ref(x, batch.x_scale[l, :n].cpu())
+        if not torch.equal(_sorted_rows(got), _sorted_rows(e)):
+            errors.append(f"rank {dest}: rows of local expert {l} differ")
+    return errors
+
+
+def check_out(cfg: MoEConfig, inputs, src: int, out: torch.Tensor, combine: str) -> list[str]:
+    x, ids, w = inputs[src]
+    ref = expected_out(cfg, x, ids, w)
+    # "reduce" rounds each rank's partial sum to cfg.dtype once more than "source" does.
+    tol = {"source": 1e-2, "reduce": 2e-2}[combine] if cfg.dtype != torch.float32 else 1e-5
+    try:
+        torch.testing.assert_close(out.cpu().float(), ref, rtol=tol, atol=tol)
+    except AssertionError as exc:
+        return [f"rank {src}: combine output: {exc}"]
+    return []
+
+
+# ---- emulated ranks ----------------------------------------------------------------------------
+
+def emulate_dispatch(dispatchers: list[LLDispatcher], inputs, device) -> list:
+    """Every rank's dispatch_send, then every rank's dispatch_recv (so waits are already satisfied)."""
+    handles = [d.dispatch_send(x.to(device), ids.to(device), w.to(device))
+               for d, (x, ids, w) in zip(dispatchers, inputs)]
+    return [d.dispatch_recv(h) for d, h in zip(dispatchers, handles)]
+
+
+def emulate_combine(dispatchers: list[LLDispatcher], ys: list[torch.Tensor], batches: list) -> list[torch.Tensor]:
+    handles = [d.combine_send(y, b) for d, y, b in zip(dispatchers, ys, batches)]
+    return [d.combine_recv(h) for d, h in zip(dispatchers, handles)]
+
+
+def make_world(cfg: MoEConfig, R: int, combine: str) -> list[LLDispatcher]:
+    return [LLDispatcher(cfg, g, combine=combine, device=EMU_DEVICE) for g in EmulatedGroup.world(R)]
+
+
+def run_calls(dispatchers, cfg: MoEConfig, calls) -> list[str]:
+    """Run consecutive dispatch/combine calls (like consecutive layers) and check every one."""
+    R = len(dispatchers)
+    errors = []
+    for inputs in calls:
+        batches = emulate_dispatch(dispatchers, inputs, EMU_DEVICE)
+        for r, b in enumerate(batches):
+            errors += check_batch(cfg, R, inputs, r, b)
+        ys = [fake_experts(cfg, b, d.first_expert) for d, b in zip(dispatchers, batches)]
+        outs = emulate_combine(dispatchers, ys, batches)
+        for r, out in enumerate(outs):
+            errors += check_out(cfg, inputs, r, out, dispatchers[0].combine_mode)
+    assert not any(d.timed_out() for d in dispatchers)
+    return errors
+
+
+CASES = [
+    # (R, E, K, D, Tmax, quant, combine)
+    (2, 4, 2, 128, 4, None, "source"),
+    (2, 4, 2, 128, 4, None, "reduce"),
+    (2, 6, 3, 200, 5, "fp8_block", "reduce"),
+    (2, 6, 3, 200, 5, "fp8_block", "source"),
+    (3, 6, 1, 72, 3, None, "reduce"),
+    (3, 9, 4, 130, 4, "fp8_block", "source"),
+]
+
+
+@pytest.mark.parametrize("R,E,K,D,Tmax,quant,combine", CASES)
+def test_emulated_consecutive_calls(R, E, K, D, Tmax, quant, combine):
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=32, quant=quant,
+                    max_tokens_per_rank=Tmax)
+    dispatchers = make_world(cfg, R, combine)
+    tokens = [[Tmax] * R, [1] + [0] * (R - 1), [Tmax - 1, 0] + [Tmax] * (R - 2), [Tmax] * R]
+    calls = [make_inputs(cfg, R, t, seed=i, skew=(i == 3), drop=0.0 if i == 0 else 0.25)
+             for i, t in enumerate(tokens)]
+    assert run_calls(dispatchers, cfg, calls) == []
+
+
+def test_emulated_static_max_size_inputs():
+    """What graph replays do: T stays Tmax, unused tokens carry ids -1, the active count changes."""
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=256, intermediate_size=8, quant="fp8_block",
+                    max_tokens_per_rank=6)
+    dispatchers = make_world(cfg, 2, "reduce")
+    calls = []
+    for i, active in enumerate([(6, 6), (2, 0), (0, 5), (1, 1), (6, 3)]):
+        inputs = make_inputs(cfg, 2, [6, 6], seed=50 + i, drop=0.0)
+        for (_, ids, _), n in zip(inputs, active):
+            ids[n:] = -1
+        calls.append(inputs)
+    assert run_calls(dispatchers, cfg, calls) == []
+
+
+def test_emulated_all_dropped_and_float32():
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=8, dtype=torch.float32,
+                    max_tokens_per_rank=3)
+    dispatchers = make_world(cfg, 2, "source")
+    calls = [make_inputs(cfg, 2, [3, 2], seed=7, drop=1.0), make_inputs(cfg, 2, [3, 3], seed=8)]
+    assert run_calls(dispatchers, cfg, calls) == []
+
+
+def test_emulated_base_class_path_and_registry():
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=8, max_tokens_per_rank=2)
+    groups = EmulatedGroup.world(2)
+    assert list_dispatchers(cfg, groups[0])["ll"] == (True, "ok")
+    ds = [make_dispatcher("ll", cfg, g, device=EMU_DEVICE) for g in groups]
+    # A single rank can run the whole call when R = 1.
+    cfg1 = MoEConfig(num_experts=3, top_k=2, hidden_size=128, intermediate_size=8, max_tokens_per_rank=2)
+    (g1,) = EmulatedGroup.world(1)
+    d1 = make_dispatcher("ll", cfg1, g1, device=EMU_DEVICE)
+    inputs = make_inputs(cfg1, 1, [2], seed=3)
+    x, ids, w = (t.to(EMU_DEVICE) for t in inputs[0])
+    batch = d1.dispatch(x, ids, w)
+    assert check_batch(cfg1, 1, inputs, 0, batch) == []
+    out = d1.combine(fake_experts(cfg1, batch, 0), batch)
+    assert check_out(cfg1, inputs, 0, out, "reduce") == []
+    assert ds[0].rows_per_expert == 4
+
+
+def test_refuses_bad_input():
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=8, max_tokens_per_rank=2)
+    d = make_world(cfg, 2, "reduce")[0]
+    x = torch.randn(3, 128, dtype=torch.bfloat16, device=EMU_DEVICE)
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=EMU_DEVICE)
+    w = torch.ones(3, 2, device=EMU_DEVICE)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=2"):
+        d.dispatch_send(x, ids, w)
+    with pytest.raises(ValueError, match="expert id 4"):
+        d.dispatch_send(x[:2], ids[:2] + 4, w[:2])
+    with pytest.raises(ValueError, match="combine must be one of"):
+        LLDispatcher(cfg, EmulatedGroup.world(2)[0], combine="dest")
+    assert LLDispatcher.availability(cfg, None)[0] is False
+    cfg5 = MoEConfig(num_experts=5, top_k=2, hidden_size=128, intermediate_size=8)
+    assert LLDispatcher.availability(cfg5, EmulatedGroup.world(2)[0])[0] is False
+
+
+# ---- two real ranks (2 GPUs) -------------------------------------------------------------------
+
+GPU_CASES = [
+    # (E, K, D, Tmax, quant, combine)
+    (256, 8, 7168, 128, "fp8_block", "reduce"),
+    (256, 8, 7168, 128, "fp8_block", "source"),
+    (128, 8, 2048, 256, None, "reduce"),
+    (128, 8, 2048, 256, None, "source"),
+    (6, 3, 200, 33, "fp8_block", "reduce"),
+    (6, 3, 200, 33, None, "source"),
+]
+
+
+def _gpu_worker(ctx, case, replays: int) -> list[str]:
+    E, K, D, Tmax, quant, combine = case
+    R, dev = ctx.world_size, ctx.device
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
+                    max_tokens_per_rank=Tmax)
+    d = make_dispatcher("ll", cfg, ctx.group, combine=combine)
+    errors = []
+    # Eager: consecutive calls with changing token counts (incl. 0 and 1) and skewed routing.
+    token_sets = [[Tmax] * R, [0] + [1] * (R - 1), [Tmax // 2 + 1] * R, [Tmax] * R]
+    for i, tokens in enumerate(token_sets):
+        inputs = make_inputs(cfg, R, tokens, seed=100 + i, skew=(i == 2))
+        x, ids, w = (t.to(dev) for t in inputs[ctx.rank])
+        batch = d.dispatch(x, ids, w)
+        errors += check_batch(cfg, R, inputs, ctx.rank, batch)
+        out = d.combine(fake_experts(cfg, batch, d.first_expert), batch)
+        errors += check_out(cfg, inputs, ctx.rank, out, combine)
+    if d.timed_out():
+        return errors + [f"rank {ctx.rank}: a device-side wait timed out"]
+    if not replays:
+        return errors
+    # One captured graph, replayed with new routing; unused tokens are marked by ids = -1.
+    x_s = torch.zeros(Tmax, D, dtype=cfg.dtype, device=dev)
+    ids_s = torch.full((Tmax, K), -1, dtype=torch.int32, device=dev)
+    w_s = torch.ones(Tmax, K, device=dev)
+
+    def step():
+        b = d.dispatch(x_s, ids_s, w_s)
+        return b, d.combine(fake_experts(cfg, b, d.first_expert), b)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch_g, out_g = step()
+    g = torch.Generator().manual_seed(1234)
+    for i in range(replays):
+        active = [int(torch.randint(0, Tmax + 1, (1,), generator=g)) for _ in range(R)]
+        if i % 10 == 0:
+            active = [Tmax] * R
+        inputs = make_inputs(cfg, R, [Tmax] * R, seed=1000 + i, skew=(i % 7 == 3))
+        for r in range(R):  # tokens past `active` are unused: all ids -1
+            inputs[r][1][active[r]:] = -1
+        x, ids, w = inputs[ctx.rank]
+        x_s.copy_(x)
+        ids_s.copy_(ids)
+        w_s.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        errs = check_batch(cfg, R, inputs, ctx.rank, batch_g) + check_out(cfg, inputs, ctx.rank, out_g, combine)
+        errors += [f"replay {i}: {e}" for e in errs][:max(0, 20 - len(errors))]
+        # no early exit: both ranks must replay the same number of times
+    if d.timed_out():
+        errors.append(f"rank {ctx.rank}: a device-side wait timed out during the replays")
+    return errors
+
+
+def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
+    """All cases in one launch (each launch costs process start-up and NCCL set-up)."""
+    errors = []
+    for case in cases:
+        errors += [f"{case}: {e}" for e in _gpu_worker(ctx, case, replays)]
+    return errors
+
+
+def _run_two_gpus(cases, replays: int) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from epmoe.launch import spawn
+    for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+        os.environ.setdefault(key, val)
+    results = spawn(_gpu_cases_worker, nprocs=2, device="cuda", args=(cases, replays))
+    assert results == [[], []]
+
+
+@pytest.mark.gpu
+def test_two_gpus_eager():
+    """Exact checks, random data, consecutive calls with 0, 1, Tmax/2+1 and Tmax tokens, skew."""
+    _run_two_gpus(GPU_CASES, replays=0)
+
+
+@pytest.mark.gpu
+def test_two_gpus_graph_replays():
+    """One captured graph per case, 100 replays with new routing and active token counts."""
+    _run_two_gpus([GPU_CASES[0], GPU_CASES[3], GPU_CASES[4]], replays=100)
