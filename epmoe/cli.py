@@ -62,7 +62,7 @@ def _bench(argv: Sequence[str]) -> int:
         return 2
     stage, rest = argv[0], list(argv[1:])
     if stage == "dispatch" and _mode(rest) == "ll":
-        stage = "dispatch_ll"
+        stage, rest = "dispatch_ll", _without_mode(rest)
     try:
         module = importlib.import_module(_BENCH_MODULES[stage])
     except ModuleNotFoundError as e:
@@ -81,6 +81,18 @@ def _mode(argv: Sequence[str]) -> str | None:
         if arg.startswith("--mode="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _without_mode(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--mode":
+            skip = True
+        elif not arg.startswith("--mode="):
+            out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

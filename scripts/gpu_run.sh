@@ -6,8 +6,9 @@
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer
 # (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
-# Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). The exit
-# code is the number of failed stages. Prints a table of stages last.
+# Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
+# is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
+# Prints a table of stages last.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -19,7 +20,8 @@ OUT="$(cd "$OUT" && pwd)"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-EPMOE=("$PY" -m epmoe.cli)
+LIMIT=(timeout --kill-after=30 "${STAGE_TIMEOUT:-900}")
+EPMOE=("${LIMIT[@]}" "$PY" -m epmoe.cli)
 
 declare -a NAMES RESULTS SECONDS_TAKEN
 
@@ -46,7 +48,7 @@ env_report() {
 
 pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
     local status=0
-    "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
+    "${LIMIT[@]}" "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
     [ "$status" -eq 5 ] && { echo "no tests selected by -m '$1'"; return 0; }
     return "$status"
 }

@@ -54,6 +54,7 @@ def test_bench_dispatch_mode_ll_goes_to_the_ll_module(monkeypatch, capsys):
     monkeypatch.setitem(cli._BENCH_MODULES, "dispatch_ll", "epmoe.bench.ll_missing")
     assert cli.main(["bench", "dispatch", "--mode", "ll"]) == 2
     assert "epmoe.bench.ll_missing" in capsys.readouterr().err
+    assert cli._without_mode(["--out", "o", "--mode", "ll", "-x", "--mode=ll"]) == ["--out", "o", "-x"]
 
 
 def test_parser_rejects_unknown_option():
