@@ -99,15 +99,16 @@ def test_gate_up_and_down_match_reference(counts, batched, dtype):
 @pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 0], [1, 0, 0]])
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("block_n", [32, 128])  # 128: h quantized in the gate-up epilogue
-def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n):
-    L, D, F = len(counts), 136, 72  # partial last scale groups in both K and N
+@pytest.mark.parametrize("F", [72, 128])  # 72: partial scale groups (per-column weight scales); 128: per tile
+def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F):
+    L, D = len(counts), 136  # a partial last scale group in K
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
     xq, xs = quantize_act_ref(torch.randn(R, D, device=DEVICE).bfloat16())
     cfg = GemmConfig(block_m=16, block_n=block_n, block_k=32 if block_n == 32 else 128)
     h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
-    assert h.dtype == torch.float8_e4m3fn and hs.shape == (R, 1)
+    assert h.dtype == torch.float8_e4m3fn and hs.shape == (R, -(-F // 128))
     mask = valid_mask(rows, R)
     h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
     torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0],

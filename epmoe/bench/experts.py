@@ -204,8 +204,9 @@ def candidates(op: str, fp8: bool, bound: int) -> list[GemmConfig]:
     bk = 128 if fp8 else 64
     if bound <= 64:
         bm = max(16, bound)
-        return [GemmConfig(block_m=bm, block_n=bn, block_k=k, group_m=1, num_warps=4, num_stages=s)
-                for bn, k, s in ((64, 128, 4), (128, 128, 3), (64, 64, 5), (128, 64, 4), (32, 128, 4))]
+        return [GemmConfig(block_m=bm, block_n=bn, block_k=k, group_m=1, num_warps=warps, num_stages=s)
+                for bn, k, s, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4),
+                                        (128, 64, 4, 4), (32, 128, 4, 4))]
     out = []
     for bm in (64, 128):
         for bn in (128, 256):

@@ -31,7 +31,7 @@ import triton.language as tl
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups
 from .configs import GemmConfig, gemm_config
-from .quant import _MIN_AMAX, FP8_MAX, quantize_act, to_fp8
+from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,16 @@ def _grouped_gemm_kernel(
         L, SLOT_ROWS, R, N, K, NUM_TILES_M,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
         BATCHED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
-        HAS_ROW_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
 
     A [R, K] row-major; B [L, N (x2 for GATE_UP), K] K-contiguous; C [R, N].
+    TILE_B_SCALE: the column tile lies in one 128-row weight scale block (gate and up alike), so
+    its weight scale is one scalar per K block instead of a vector.
     """
-    tl.static_assert(not QUANT_OUT or (GATE_UP and FP8 and BLOCK_N == SCALE_GROUP),
+    tl.static_assert((not QUANT_OUT) or ((GATE_UP and FP8) and (BLOCK_N == SCALE_GROUP)),
                      "fp8 h output needs the gate-up fp8 kernel with BLOCK_N == 128")
     tl.static_assert(not FP8 or SCALE_GROUP % BLOCK_K == 0, "fp8 needs BLOCK_K to divide 128")
 
@@ -136,8 +138,12 @@ def _grouped_gemm_kernel(
     up_shift = N * K
     if FP8:
         a_scale_ptrs = a_scale_ptr + rows_a * G_A
-        b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
-        up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
+        if TILE_B_SCALE:
+            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
+            up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
+        else:
+            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
+            up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,9 +167,14 @@ def _grouped_gemm_kernel(
         if FP8:
             g = k0 // SCALE_GROUP
             a_s = tl.load(a_scale_ptrs + g)
-            acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
-            if GATE_UP:
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
+            if TILE_B_SCALE:
+                acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
+                if GATE_UP:
+                    acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
+                if GATE_UP:
+                    acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
         elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
             if GATE_UP:
@@ -185,8 +196,8 @@ def _grouped_gemm_kernel(
     c_mask = m_mask[:, None] & n_mask[None, :]
     if QUANT_OUT:
         # Columns past N repeat column N-1 (clamped loads), so the group's amax is that of its real columns.
-        scale = tl.maximum(tl.max(tl.abs(acc), axis=1), _MIN_AMAX) / FP8_MAX
-        q = tl.clamp(acc / scale[:, None], -FP8_MAX, FP8_MAX)
+        scale = tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C) / FP8_MAX_C
+        q = tl.minimum(tl.maximum(acc / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
         tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
         tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
     else:
@@ -241,7 +252,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N),
         BATCHED=rows.batched, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
-        HAS_ROW_SCALE=row_scale is not None, UPCAST=a.device.type == "cpu",
+        HAS_ROW_SCALE=row_scale is not None,
+        TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0), UPCAST=a.device.type == "cpu",
         IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         L_POW2=max(triton.next_power_of_2(L), 2), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK,

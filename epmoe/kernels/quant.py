@@ -15,8 +15,11 @@ from ..config import FP8_BLOCK
 from ..quant import _MIN_AMAX, FP8_DTYPE, FP8_MAX, num_groups
 
 _BLOCK_ROWS = 16
-_E4M3_MIN_EXP = -6  # smallest normal exponent of e4m3; subnormals share its 2^-9 spacing
-_E4M3_MANTISSA_BITS = 3
+# Constants the kernels read (Triton kernels may only read globals that are tl.constexpr).
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+MIN_AMAX_C = tl.constexpr(_MIN_AMAX)
+_E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)  # subnormals share the spacing of this binade
+_E4M3_MANTISSA_BITS = tl.constexpr(3)
 
 
 @triton.jit
@@ -28,7 +31,7 @@ def to_fp8(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
     cast drops the carry when the mantissa rounds up into the next binade (7.9 -> 4.0).
     """
     if ROUND_FIRST:
-        e = tl.floor(tl.log2(tl.maximum(tl.abs(x), 2.0 ** _E4M3_MIN_EXP)))
+        e = tl.floor(tl.log2(tl.maximum(tl.abs(x), _E4M3_MIN_NORMAL)))
         step = tl.exp2(e - _E4M3_MANTISSA_BITS)
         r = tl.abs(x) / step
         f = tl.floor(r)
@@ -40,8 +43,7 @@ def to_fp8(x, dtype: tl.constexpr, ROUND_FIRST: tl.constexpr):
 
 @triton.jit
 def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, R, D, G,
-                         BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
-                         MIN_AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                         BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ROUND_FIRST: tl.constexpr):
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -49,8 +51,8 @@ def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, R, D, G,
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX_C) / FP8_MAX_C
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + offs, to_fp8(q, q_ptr.dtype.element_ty, ROUND_FIRST), mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * G + g, scale, mask=rows < R)
 
@@ -77,6 +79,5 @@ def quantize_act(x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if R and D:
         grid = (triton.cdiv(R, _BLOCK_ROWS), G)
         _quantize_act_kernel[grid](x, q, scale, R, D, G, BLOCK_ROWS=_BLOCK_ROWS, GROUP=FP8_BLOCK,
-                                   FP8_MAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
                                    ROUND_FIRST=x.device.type == "cpu")
     return q, scale
