@@ -200,22 +200,18 @@ def run_bench(args, dev: torch.device) -> dict:
 
 
 def candidates(op: str, fp8: bool, bound: int) -> list[GemmConfig]:
-    """A small set of launch configs worth trying for one table bucket."""
-    bk = 128 if fp8 else 64
-    if bound <= 64:
+    """A few launch configs worth trying for one table bucket (small: each costs a compile)."""
+    if bound <= 64:  # weight-bandwidth bound: rows tile = the bucket, many column tiles in flight
         bm = max(16, bound)
-        return [GemmConfig(block_m=bm, block_n=bn, block_k=k, group_m=1, num_warps=warps, num_stages=s)
-                for bn, k, s, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4),
-                                        (128, 64, 4, 4), (32, 128, 4, 4))]
-    out = []
-    for bm in (64, 128):
-        for bn in (128, 256):
-            if op == "gate_up" and bm == 128 and bn == 256:
-                continue  # two 128x256 float32 accumulators spill
-            for warps in (4, 8):
-                out.append(GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps,
-                                      num_stages=3 if bn == 256 else 4))
-    return out
+        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages)
+                for bn, bk, stages, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4))]
+    bk = 128 if fp8 else 64
+    shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8))  # (block_m, block_n, warps)
+    if op == "down":  # one accumulator: room for wider tiles
+        shapes += ((64, 256, 8), (128, 256, 8))
+    return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps,
+                       num_stages=3 if bm * bn >= 128 * 256 else 4)
+            for bm, bn, warps in shapes]
 
 
 def format_table(table: dict) -> str:

@@ -34,6 +34,11 @@ from .configs import GemmConfig, gemm_config
 from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
 
 
+# The tile map reads the L counts as one block of at least this many lanes, so that the common local
+# expert counts (<= 128) share one compiled kernel.
+_MIN_EXPERT_BLOCK = 128
+
+
 @dataclass(frozen=True)
 class ExpertRows:
     """Which rows of a [R, ...] activation tensor belong to which local expert (device tensors).
@@ -255,7 +260,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         HAS_ROW_SCALE=row_scale is not None,
         TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0), UPCAST=a.device.type == "cpu",
         IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
-        L_POW2=max(triton.next_power_of_2(L), 2), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
