@@ -108,7 +108,7 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
     contiguous, batched = uniform_rows(L_run, t, dev)
     x = torch.randn(R, D, dtype=torch.bfloat16, device=dev)
     xq, xs = quantize_act(x)
-    offs = contiguous.index_L[1:]
+    offs = contiguous.index_L[1:].clone()  # a fresh (16-byte aligned) int32 buffer for torch._grouped_mm
     w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
     dense13, dense2 = w13[0].t(), w2[0].t()  # one expert's weights as [D, 2F] and [F, D] views
     h_bf16 = torch.randn(R, F, dtype=torch.bfloat16, device=dev)
@@ -137,6 +137,10 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
     flops = 6.0 * R * D * F
     res = {"shape": name, "D": D, "F": F, "L": L, "L_run": L_run, "tokens_per_expert": t, "rows": R,
            "flops": flops}
+    for op in configs_mod.OPS:
+        for fp8 in (False, True):
+            cfg = configs_mod.gemm_config(op, fp8=fp8, rows_hint=t, on_gpu=True)
+            res[f"config_{configs_mod.table_key(op, fp8)}"] = cfg.to_dict()
     for key, fn in timings.items():
         ms = time_ms(fn, rep_ms)
         res[f"{key}_ms"] = ms

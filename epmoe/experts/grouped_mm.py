@@ -64,7 +64,7 @@ class GroupedMMExperts(Experts):
         if x.shape[0] == 0:
             return torch.empty_like(x)
         F = self.cfg.intermediate_size
-        offs = batch.offsets_L1[1:].to(torch.int32)
+        offs = batch.offsets_L1[1:].to(torch.int32, copy=True)  # own buffer: 16-byte aligned
         gate_up = torch._grouped_mm(x.contiguous(), self.w13.transpose(1, 2), offs=offs, out_dtype=x.dtype)
         h = (F_.silu(gate_up[:, :F].float()) * gate_up[:, F:].float()).to(x.dtype)
         return torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs, out_dtype=x.dtype)

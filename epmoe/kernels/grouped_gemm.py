@@ -201,8 +201,8 @@ def _grouped_gemm_kernel(
     c_mask = m_mask[:, None] & n_mask[None, :]
     if QUANT_OUT:
         # Columns past N repeat column N-1 (clamped loads), so the group's amax is that of its real columns.
-        scale = tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C) / FP8_MAX_C
-        q = tl.minimum(tl.maximum(acc / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
         tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
         tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
     else:

@@ -51,8 +51,9 @@ def _quantize_act_kernel(x_ptr, q_ptr, scale_ptr, R, D, G,
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX_C) / FP8_MAX_C
-    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX_C), FP8_MAX_C)
+    # div_rn: correctly rounded division (Triton's `/` may be approximate), as torch divides.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + offs, to_fp8(q, q_ptr.dtype.element_ty, ROUND_FIRST), mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * G + g, scale, mask=rows < R)
 
