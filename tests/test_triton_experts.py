@@ -299,3 +299,21 @@ def test_kernels_compile_for_hopper_with_table_configs():
     if proc.returncode == SKIP_EXIT:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_bench_floor_and_table_format(tmp_path):
+    from epmoe.bench import experts as bench
+
+    floor = bench.mlp_floor(R=128, L=128, D=7168, F=2048, fp8=False)
+    assert floor.flops == 6.0 * 128 * 7168 * 2048
+    assert floor.ms == pytest.approx(floor.bytes / (bench.COPY_TBPS * 1e12) * 1e3)  # decode: bytes bound
+    big = bench.mlp_floor(R=131072, L=128, D=7168, F=2048, fp8=True)
+    assert big.ms == pytest.approx(big.flops / (bench.PEAK_FP8_TFLOPS * 1e12) * 1e3)  # flops bound
+    text = bench.format_table({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
+                                                          for key, buckets in configs._table().items()}})
+    path = tmp_path / "configs.json"
+    path.write_text(text)
+    assert configs._table(path) == configs._table()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench.main(["--out", str(tmp_path)])
