@@ -59,6 +59,13 @@ class TritonExperts(Experts):
             self.w2 = w2_LDF.to(self.cfg.dtype).contiguous()
             self.w13_scale = self.w2_scale = None
 
+    def _batched_rows_hint(self, slot_rows: int) -> int:
+        """Expected rows per expert of a batched batch, for the launch config: the M slots are sized for
+        the worst case, the counts are on the device; with uniform routing at full batch each local
+        expert gets max_tokens_per_rank * R * K / E = max_tokens_per_rank * K / L rows (R = E / L)."""
+        full = -(-self.cfg.max_tokens_per_rank * self.cfg.top_k // self.num_local_experts)
+        return max(1, min(slot_rows, full))
+
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:
         if not hasattr(self, "w13"):
             raise ValueError(f"experts {self.name!r}: call load() before running a batch")
@@ -67,8 +74,10 @@ class TritonExperts(Experts):
             raise ValueError(f"batch rows have {x.shape[-1]} columns, expected D={D}")
         if batch.layout is Layout.CONTIGUOUS:
             rows = ExpertRows.contiguous(batch.offsets_L1)
+            hint = None  # the mean N / L
         else:
             rows = ExpertRows.batched_slots(batch.counts_L, x.shape[1])
+            hint = self._batched_rows_hint(x.shape[1])
         x_RD = x.reshape(-1, D)
         x_scale = None if batch.x_scale is None else batch.x_scale.reshape(x_RD.shape[0], -1)
         if self.cfg.quant == "fp8_block":
@@ -78,6 +87,7 @@ class TritonExperts(Experts):
                 raise ValueError("fp8 batch.x needs batch.x_scale")
         elif x.dtype != self.cfg.dtype:
             raise ValueError(f"batch.x dtype {x.dtype} does not match cfg.dtype {self.cfg.dtype} (quant=None)")
-        h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale)
-        y = down(h, self.w2, rows, h_scale_RG=h_scale, w2_scale=self.w2_scale, out_dtype=self.cfg.dtype)
+        h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale, rows_hint=hint)
+        y = down(h, self.w2, rows, h_scale_RG=h_scale, w2_scale=self.w2_scale, out_dtype=self.cfg.dtype,
+                 rows_hint=hint)
         return y.view(x.shape)

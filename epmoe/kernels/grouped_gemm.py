@@ -266,7 +266,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
 
 
 def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_scale_RG: torch.Tensor | None = None,
-            w13_scale: torch.Tensor | None = None, config: GemmConfig | None = None
+            w13_scale: torch.Tensor | None = None, rows_hint: int | None = None, config: GemmConfig | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h = silu(x W1^T) * (x W3^T) per expert, W1 = w13[l, :F], W3 = w13[l, F:]. No host sync.
 
@@ -275,6 +275,7 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
         w13_LND: [L, 2F, D] weights in x's dtype, or float8_e4m3fn with w13_scale float32
             [L, ceil(2F/128), ceil(D/128)].
         rows: the rows of each expert; rows outside every expert are not computed.
+        rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`).
         config: launch configuration (default: `gemm_config` for these shapes).
 
     Returns:
@@ -288,7 +289,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     _check_operands("gate_up", x_RD, x_scale_RG, w13_LND, w13_scale, rows, 2 * F)
     fp8 = w13_LND.dtype == FP8_DTYPE
     R = x_RD.shape[0]
-    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=rows.rows_hint(R), on_gpu=x_RD.is_cuda)
+    hint = rows.rows_hint(R) if rows_hint is None else rows_hint
+    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda)
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
     out_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x_RD.dtype)
     h = torch.empty(R, F, dtype=out_dtype, device=x_RD.device)
@@ -302,7 +304,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
 
 def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_RG: torch.Tensor | None = None,
          w2_scale: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, rows_hint: int | None = None,
+         config: GemmConfig | None = None) -> torch.Tensor:
     """y = h W2^T per expert, optionally times a per-row scale (the top-k weights). No host sync.
 
     Args:
@@ -311,6 +314,7 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
         rows: the rows of each expert.
         row_scale_R: optional float32 [R], multiplies each output row in the epilogue.
         out_dtype: y's dtype (default h's dtype; required for fp8 input).
+        rows_hint, config: as for `gate_up`.
 
     Returns:
         y_RD [R, D] in out_dtype; rows outside the experts' rows are unspecified.
@@ -325,7 +329,8 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
     if row_scale_R is not None and (row_scale_R.shape != (R,) or row_scale_R.dtype != torch.float32):
         raise ValueError(f"down: row_scale_R must be float32 [{R}], got {row_scale_R.dtype} "
                          f"{tuple(row_scale_R.shape)}")
-    cfg = config or gemm_config("down", fp8=fp8, rows_hint=rows.rows_hint(R), on_gpu=h_RF.is_cuda)
+    hint = rows.rows_hint(R) if rows_hint is None else rows_hint
+    cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda)
     y = torch.empty(R, w2_LDF.shape[1], dtype=out_dtype, device=h_RF.device)
     _launch(h_RF.contiguous(), h_scale_RG, w2_LDF.contiguous(), w2_scale, rows, y, None,
             None if row_scale_R is None else row_scale_R.contiguous(), gate_up=False, cfg=cfg)
