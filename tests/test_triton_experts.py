@@ -244,6 +244,8 @@ def test_config_table_is_valid_and_choice_is_pure():
             assert gemm_config(op, fp8=fp8, rows_hint=1, on_gpu=True) == buckets[0][1]
             assert gemm_config(op, fp8=fp8, rows_hint=10 ** 12, on_gpu=True) == buckets[-1][1]
     assert gemm_config("down", fp8=False, rows_hint=64, on_gpu=False) == configs.INTERPRETER_CONFIG
+    wide = gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True, element_size=4)
+    assert wide.block_k == gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True).block_k // 2
     with pytest.raises(ValueError, match="op must be"):
         gemm_config("up", fp8=False, rows_hint=1, on_gpu=True)
     with pytest.raises(ValueError, match="power of two"):

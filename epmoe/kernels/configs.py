@@ -8,6 +8,7 @@ on the GPU and committed; nothing is tuned at call time. Each table entry lists 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import asdict, dataclass
@@ -60,20 +61,22 @@ def _table(path: Path = TABLE_PATH) -> dict[str, list[tuple[int, GemmConfig]]]:
     return {key: [(bound, GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw["tables"].items()}
 
 
-def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool) -> GemmConfig:
+def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_size: int = 2) -> GemmConfig:
     """The launch configuration for one grouped GEMM.
 
     Args:
         op: "gate_up" (fused SiLU-and-mul epilogue) or "down".
         fp8: fp8 block-quantized operands (block_k must divide 128; block_n 128 lets gate_up emit fp8 h).
-        rows_hint: estimated rows per expert: N / L for the contiguous layout, M for the batched one.
+        rows_hint: estimated rows per expert (the mean N / L for the contiguous layout).
         on_gpu: False under the Triton interpreter (CPU tensors), which gets INTERPRETER_CONFIG.
+        element_size: bytes per unquantized operand element; the 16-bit tables are halved along K for
+            float32 so that the pipeline stages still fit in shared memory.
     """
     key = table_key(op, fp8)
     if not on_gpu:
         return INTERPRETER_CONFIG
     buckets = _table()[key]
-    for bound, cfg in buckets:
-        if rows_hint <= bound:
-            return cfg
-    return buckets[-1][1]
+    cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
+    if not fp8 and element_size > 2:
+        cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k * 2 // element_size))
+    return cfg

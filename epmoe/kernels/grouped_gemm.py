@@ -71,7 +71,7 @@ class ExpertRows:
         return min(triton.cdiv(num_rows, block_m) + L, num_rows)  # each tile holds >= 1 row
 
     def rows_hint(self, num_rows: int) -> int:
-        """Rows per expert the launch config is chosen for: M (batched) or the mean N / L (contiguous)."""
+        """Default rows per expert for the launch config: M (batched) or the mean N / L (contiguous)."""
         return self.slot_rows if self.batched else triton.cdiv(num_rows, max(self.num_experts, 1))
 
     def ranges(self) -> list[tuple[int, int]]:
@@ -88,7 +88,8 @@ def _grouped_gemm_kernel(
         L, SLOT_ROWS, R, N, K, NUM_TILES_M,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
         BATCHED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
-        HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
@@ -290,7 +291,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     fp8 = w13_LND.dtype == FP8_DTYPE
     R = x_RD.shape[0]
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
-    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda)
+    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
+                                element_size=x_RD.element_size())
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
     out_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x_RD.dtype)
     h = torch.empty(R, F, dtype=out_dtype, device=x_RD.device)
@@ -330,7 +332,8 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
         raise ValueError(f"down: row_scale_R must be float32 [{R}], got {row_scale_R.dtype} "
                          f"{tuple(row_scale_R.shape)}")
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
-    cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda)
+    cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda,
+                                element_size=h_RF.element_size())
     y = torch.empty(R, w2_LDF.shape[1], dtype=out_dtype, device=h_RF.device)
     _launch(h_RF.contiguous(), h_scale_RG, w2_LDF.contiguous(), w2_scale, rows, y, None,
             None if row_scale_R is None else row_scale_R.contiguous(), gate_up=False, cfg=cfg)
