@@ -63,7 +63,7 @@ def main() -> None:
                 signature = dict(
                     a_ptr=ab, a_scale_ptr="*fp32", b_ptr=ab, b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
                     row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
-                    NUM_TILES_M="i32", stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
+                    stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
                 constexprs = dict(
                     BATCHED=bound <= 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
                     TILE_B_SCALE=fp8 and cfg.block_n <= 128, UPCAST=False, IEEE=dtype == "fp32", EVEN_K=True, L_POW2=128,

@@ -7,9 +7,9 @@ G = ceil(K / 128) activation scale groups, M rows per expert slot (batched layou
 One kernel serves both layouts. Each expert owns a run of rows [base_l, base_l + count_l): contiguous
 base_l = offsets_L1[l], count_l = offsets_L1[l+1] - offsets_L1[l]; batched base_l = l*M, count_l =
 counts_L[l]. Every program rebuilds the tile map on device from the L counts (tiles_l = ceil(count_l /
-BLOCK_M), cumulative sum, search), so there is no host sync and rows past the counts cost no program:
-the grid is an upper bound on the tiles and the programs past the last real tile exit at once.
-Row tiles are swizzled in groups of GROUP_M that sweep the column tiles together, so a weight tile is
+BLOCK_M), cumulative sum, search), so there is no host sync; the programs are persistent (at most a few
+per SM) and loop over the real tiles only, so rows past the counts cost nothing even when the batched
+slots are mostly empty. Row tiles are swizzled in groups of GROUP_M that sweep the column tiles together, so a weight tile is
 read from HBM about once per group and an activation tile once per sweep (L2 reuse).
 
 fp8 (e4m3, block 128): acc += dot(a, b) * a_scale[row] * b_scale[col] per K block (BLOCK_K divides 128,
@@ -21,6 +21,7 @@ References: `gate_up_ref`, `down_ref` below (float32 torch, loops over experts o
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,10 @@ from .configs import GemmConfig, gemm_config
 from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
 
 
+# Persistent programs per SM on the GPU; under the interpreter a few programs, so that tests exercise
+# programs that loop over several tiles.
+_PROGRAMS_PER_SM = 4
+_INTERPRETER_PROGRAMS = 3
 # The tile map reads the L counts as one block of at least this many lanes, so that the common local
 # expert counts (<= 128) share one compiled kernel.
 _MIN_EXPERT_BLOCK = 128
@@ -85,7 +90,7 @@ class ExpertRows:
 @triton.jit
 def _grouped_gemm_kernel(
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
-        L, SLOT_ROWS, R, N, K, NUM_TILES_M,
+        L, SLOT_ROWS, R, N, K,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
         BATCHED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -102,16 +107,8 @@ def _grouped_gemm_kernel(
                      "fp8 h output needs the gate-up fp8 kernel with BLOCK_N == 128")
     tl.static_assert(not FP8 or SCALE_GROUP % BLOCK_K == 0, "fp8 needs BLOCK_K to divide 128")
 
-    # Swizzled (row tile, column tile) of this program.
-    pid = tl.program_id(0)
-    num_tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(NUM_TILES_M - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
-
-    # Tile map: which expert owns row tile pid_m, and its rows [row0, row_end).
+    # Tile map, built on device from the L counts: expert l owns the row tiles
+    # [tiles_end[l] - tiles[l], tiles_end[l]).
     e = tl.arange(0, L_POW2)
     e_mask = e < L
     if BATCHED:
@@ -122,92 +119,101 @@ def _grouped_gemm_kernel(
         count = tl.load(index_ptr + e + 1, mask=e_mask, other=0) - base
     tiles = (count + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, 0)
-    expert = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
-    if expert >= L:
-        return
-    mine = e == expert
-    tile0 = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
-    row0 = tl.sum(tl.where(mine, base, 0), 0) + (pid_m - tile0) * BLOCK_M
-    row_end = tl.sum(tl.where(mine, base + count, 0), 0)
+    num_tiles_m = tl.sum(tiles, 0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_tiles_n
 
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row_end
-    rows_a = tl.minimum(offs_m, R - 1).to(tl.int64)  # rows past the expert's end: in bounds, never stored
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    cols_b = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    expert64 = expert.to(tl.int64)
+    # Persistent loop over the real tiles only (the grid is capped on the host).
+    for tile in range(tl.program_id(0), num_tiles_m * num_tiles_n, tl.num_programs(0)):
+        # Swizzled (row tile, column tile): GROUP_M row tiles sweep the column tiles together.
+        first_m = (tile // in_group) * GROUP_M
+        group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_size
+        pid_n = (tile % in_group) // group_size
+        expert = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+        mine = e == expert
+        tile0 = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+        row0 = tl.sum(tl.where(mine, base, 0), 0) + (pid_m - tile0) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, base + count, 0), 0)
 
-    a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]
-    b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    up_shift = N * K
-    if FP8:
-        a_scale_ptrs = a_scale_ptr + rows_a * G_A
-        if TILE_B_SCALE:
-            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
-            up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
-        else:
-            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
-            up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        rows_a = tl.minimum(offs_m, R - 1).to(tl.int64)  # rows past the expert's end: in bounds, never stored
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        cols_b = tl.minimum(offs_n, N - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        expert64 = expert.to(tl.int64)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            if GATE_UP:
-                b_up = tl.load(b_ptrs + up_shift)
-        else:
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-            if GATE_UP:
-                b_up = tl.load(b_ptrs + up_shift, mask=k_mask[:, None], other=0.0)
-        if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp8 tiles
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-            if GATE_UP:
-                b_up = b_up.to(tl.float32)
+        a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]
+        b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        up_shift = N * K
         if FP8:
-            g = k0 // SCALE_GROUP
-            a_s = tl.load(a_scale_ptrs + g)
+            a_scale_ptrs = a_scale_ptr + rows_a * G_A
             if TILE_B_SCALE:
-                acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
-                if GATE_UP:
-                    acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
+                b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
+                up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
             else:
-                acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
+                b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
+                up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
                 if GATE_UP:
-                    acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
-        elif IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-            if GATE_UP:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                    b_up = tl.load(b_ptrs + up_shift)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+                if GATE_UP:
+                    b_up = tl.load(b_ptrs + up_shift, mask=k_mask[:, None], other=0.0)
+            if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp8 tiles
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if GATE_UP:
+                    b_up = b_up.to(tl.float32)
+            if FP8:
+                g = k0 // SCALE_GROUP
+                a_s = tl.load(a_scale_ptrs + g)
+                if TILE_B_SCALE:
+                    acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
+                    if GATE_UP:
+                        acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
+                else:
+                    acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
+                    if GATE_UP:
+                        acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+                if GATE_UP:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+                if GATE_UP:
+                    acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+
+        if GATE_UP:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if HAS_ROW_SCALE:
+            acc = acc * tl.load(row_scale_ptr + rows_a)[:, None]
+
+        rows_c = offs_m.to(tl.int64)
+        c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
+        c_mask = m_mask[:, None] & n_mask[None, :]
+        if QUANT_OUT:
+            # Columns past N repeat column N-1 (clamped loads), so the group's amax is that of its real columns.
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
         else:
-            acc = tl.dot(a, b, acc)
-            if GATE_UP:
-                acc_up = tl.dot(a, b_up, acc_up)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-
-    if GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if HAS_ROW_SCALE:
-        acc = acc * tl.load(row_scale_ptr + rows_a)[:, None]
-
-    rows_c = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
-    c_mask = m_mask[:, None] & n_mask[None, :]
-    if QUANT_OUT:
-        # Columns past N repeat column N-1 (clamped loads), so the group's amax is that of its real columns.
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-        tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-        tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
-    else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _check_operands(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
@@ -240,21 +246,32 @@ def _check_operands(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, w:
             raise ValueError(f"{name}: all tensors must be on {a.device}, got one on {t.device}")
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _max_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index) * _PROGRAMS_PER_SM
+    return _INTERPRETER_PROGRAMS
+
+
 def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale, *, gate_up: bool,
             cfg: GemmConfig) -> None:
     R, K = a.shape
     N = out.shape[1]
     L = rows.num_experts
-    num_tiles_m = rows.max_row_tiles(R, cfg.block_m)
-    if R == 0 or N == 0 or L == 0 or num_tiles_m == 0:
+    max_tiles_m = rows.max_row_tiles(R, cfg.block_m)
+    if R == 0 or N == 0 or L == 0 or max_tiles_m == 0:
         return
     fp8 = w.dtype == FP8_DTYPE
     dummy = out  # placeholder pointer for arguments a variant does not read
-    grid = (num_tiles_m * triton.cdiv(N, cfg.block_n),)
+    grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
         a, a_scale.contiguous() if fp8 else dummy, w, w_scale.contiguous() if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
-        rows.index_L, L, rows.slot_rows, R, N, K, num_tiles_m,
+        rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N),
         BATCHED=rows.batched, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
