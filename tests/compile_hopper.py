@@ -50,34 +50,38 @@ def spill_bytes(kernel) -> int:
 
 def main() -> None:
     failures = []
-    for op in configs.OPS:
-        for dtype in ("bf16", "fp32", "fp8e4nv"):
-            fp8 = dtype == "fp8e4nv"
-            for bound, _ in configs._table()[configs.table_key(op, fp8)]:
-                cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True,
-                                          element_size=4 if dtype == "fp32" else 2)
-                gate = op == "gate_up"
-                quant_out = gate and fp8 and cfg.block_n == 128
-                ab = f"*{dtype}"
-                c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
-                signature = dict(
-                    a_ptr=ab, a_scale_ptr="*fp32", b_ptr=ab, b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
-                    row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
-                    stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
-                constexprs = dict(
-                    BATCHED=bound <= 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
-                    TILE_B_SCALE=fp8 and cfg.block_n <= 128, UPCAST=False, IEEE=dtype == "fp32", EVEN_K=True, L_POW2=128,
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                    SCALE_GROUP=128)
-                kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
-                                        ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"],
-                                        cfg.num_warps, cfg.num_stages)
-                spills, shared = spill_bytes(kernel), kernel.metadata.shared
-                print(f"{op} {dtype} rows<={bound} {cfg}: shared {shared} B, spills {spills} B")
-                if shared > SMEM_LIMIT:
-                    failures.append(f"{op} {dtype} rows<={bound}: {shared} B of shared memory")
-                if spills and dtype != "fp32":  # float32 is a correctness path, not a fast one
-                    failures.append(f"{op} {dtype} rows<={bound}: {spills} B of register spills")
+    variants = [(op, dtype, False) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")]
+    variants.append(("gate_up", "fp8e4nv", True))  # bf16 x quantized inside the kernel (batched layout)
+    for op, dtype, quant_a in variants:
+        fp8 = dtype == "fp8e4nv"
+        for bound, _ in configs._table()[configs.table_key(op, fp8)]:
+            cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True,
+                                      element_size=4 if dtype == "fp32" else 2)
+            if quant_a and (bound > 64 or cfg.block_k != 128):
+                continue
+            gate = op == "gate_up"
+            quant_out = gate and fp8 and cfg.block_n == 128
+            a = "*bf16" if quant_a else f"*{dtype}"
+            c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
+            signature = dict(
+                a_ptr=a, a_scale_ptr="*fp32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
+                row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
+                stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
+            constexprs = dict(
+                BATCHED=bound <= 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
+                TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
+                EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, SCALE_GROUP=128)
+            kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
+                                    ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"],
+                                    cfg.num_warps, cfg.num_stages)
+            spills, shared = spill_bytes(kernel), kernel.metadata.shared
+            tag = f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''} rows<={bound}"
+            print(f"{tag} {cfg}: shared {shared} B, spills {spills} B")
+            if shared > SMEM_LIMIT:
+                failures.append(f"{tag}: {shared} B of shared memory")
+            if spills and dtype != "fp32":  # float32 is a correctness path, not a fast one
+                failures.append(f"{tag}: {spills} B of register spills")
     compile_hopper(_quantize_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", R="i32",
                                               D="i32", G="i32"),
                    dict(BLOCK_ROWS=16, GROUP=128, ROUND_FIRST=False), ["x_ptr", "q_ptr", "D"], 4, 1)

@@ -106,14 +106,19 @@ def test_gate_up_and_down_match_reference(counts, batched, dtype):
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("block_n", [32, 128])  # 128: h quantized in the gate-up epilogue
 @pytest.mark.parametrize("F", [72, 128])  # 72: partial scale groups (per-column weight scales); 128: per tile
-def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F):
+@pytest.mark.parametrize("x_fp8", [True, False])  # False: bf16 x quantized by the launcher or the kernel
+def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F, x_fp8):
     L, D = len(counts), 136  # a partial last scale group in K
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
-    xq, xs = quantize_act_ref(torch.randn(R, D, device=DEVICE).bfloat16())
+    x = torch.randn(R, D, device=DEVICE).bfloat16()
+    xq, xs = quantize_act_ref(x)
     cfg = GemmConfig(block_m=16, block_n=block_n, block_k=32 if block_n == 32 else 128)
-    h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
+    if x_fp8:
+        h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
+    else:  # batched with block_k 128: quantized inside the gate-up kernel
+        h, hs = gate_up(x, q13, rows, w13_scale=s13, config=cfg)
     assert h.dtype == torch.float8_e4m3fn and hs.shape == (R, -(-F // 128))
     mask = valid_mask(rows, R)
     h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
@@ -133,8 +138,13 @@ def test_kernels_refuse_bad_operands():
         gate_up(x, w13[:1], rows)
     with pytest.raises(ValueError, match="differ"):
         gate_up(x.bfloat16(), w13, rows)
-    with pytest.raises(ValueError, match="need a_scale"):
+    with pytest.raises(ValueError, match="need w_scale"):
         gate_up(quantize_act_ref(x)[0], quantize_weight_ref(w13)[0], rows)
+    with pytest.raises(ValueError, match="need a_scale"):
+        q13, s13 = quantize_weight_ref(w13)
+        gate_up(quantize_act_ref(x)[0], q13, rows, w13_scale=s13)
+    with pytest.raises(ValueError, match="need fp8 weights"):
+        gate_up(quantize_act_ref(x)[0], w13, rows)
     with pytest.raises(ValueError, match="row_scale_R"):
         down(torch.randn(R, 16, device=DEVICE), w2, rows, row_scale_R=torch.ones(R + 1, device=DEVICE))
     batched_rows = ExpertRows.batched_slots(torch.tensor([1, 1], dtype=torch.int32, device=DEVICE), 4)

@@ -4,7 +4,8 @@ Shape letters: L local experts, N rows of a contiguous batch, M rows per expert 
 R rows seen by the kernels (N, or L*M), D hidden size, F intermediate size, G = ceil(D / 128).
 
 Pipeline per call, with no host sync: [quantize x per token per 128 columns, when cfg.quant is
-"fp8_block" and the dispatcher did not] -> gate-up GEMM with SiLU-and-mul in its epilogue (fp8: h
+"fp8_block" and the dispatcher did not: in the gate-up kernel for the batched layout, a separate pass
+for the contiguous one] -> gate-up GEMM with SiLU-and-mul in its epilogue (fp8: h
 re-quantized there, or by `quantize_act` when the tile does not cover a whole scale group) -> down GEMM.
 Rows past the counts (and past offsets_L1[L]) are never computed; their outputs are unspecified.
 """
@@ -16,7 +17,6 @@ import torch
 
 from ..interfaces import ExpertBatch, Experts, Layout
 from ..kernels.grouped_gemm import ExpertRows, down, gate_up
-from ..kernels.quant import quantize_act
 from ..quant import FP8_DTYPE, quantize_weight_ref
 
 
@@ -81,10 +81,10 @@ class TritonExperts(Experts):
         x_RD = x.reshape(-1, D)
         x_scale = None if batch.x_scale is None else batch.x_scale.reshape(x_RD.shape[0], -1)
         if self.cfg.quant == "fp8_block":
-            if x.dtype != FP8_DTYPE:
-                x_RD, x_scale = quantize_act(x_RD)
-            elif x_scale is None:
+            if x.dtype == FP8_DTYPE and x_scale is None:
                 raise ValueError("fp8 batch.x needs batch.x_scale")
+            if x.dtype != FP8_DTYPE and x.dtype != self.cfg.dtype:
+                raise ValueError(f"batch.x dtype {x.dtype} is neither fp8 nor cfg.dtype {self.cfg.dtype}")
         elif x.dtype != self.cfg.dtype:
             raise ValueError(f"batch.x dtype {x.dtype} does not match cfg.dtype {self.cfg.dtype} (quant=None)")
         h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale, rows_hint=hint)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..config import FP8_BLOCK
-from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups
+from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups, quantize_act_ref
 from .configs import GemmConfig, gemm_config
 from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
 
@@ -93,8 +93,8 @@ def _grouped_gemm_kernel(
         L, SLOT_ROWS, R, N, K,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
         BATCHED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
-        HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
@@ -102,10 +102,13 @@ def _grouped_gemm_kernel(
     A [R, K] row-major; B [L, N (x2 for GATE_UP), K] K-contiguous; C [R, N].
     TILE_B_SCALE: the column tile lies in one 128-row weight scale block (gate and up alike), so
     its weight scale is one scalar per K block instead of a vector.
+    QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
+    at a time, as `quantize_act` would (same scales and rounding); rows past the counts are never read.
     """
     tl.static_assert((not QUANT_OUT) or ((GATE_UP and FP8) and (BLOCK_N == SCALE_GROUP)),
                      "fp8 h output needs the gate-up fp8 kernel with BLOCK_N == 128")
     tl.static_assert(not FP8 or SCALE_GROUP % BLOCK_K == 0, "fp8 needs BLOCK_K to divide 128")
+    tl.static_assert((not QUANT_A) or (FP8 and (BLOCK_K == SCALE_GROUP)), "QUANT_A needs fp8 and BLOCK_K == 128")
 
     # Tile map, built on device from the L counts: expert l owns the row tiles
     # [tiles_end[l] - tiles[l], tiles_end[l]).
@@ -149,7 +152,8 @@ def _grouped_gemm_kernel(
         b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         up_shift = N * K
         if FP8:
-            a_scale_ptrs = a_scale_ptr + rows_a * G_A
+            if not QUANT_A:
+                a_scale_ptrs = a_scale_ptr + rows_a * G_A
             if TILE_B_SCALE:
                 b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
                 up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
@@ -171,6 +175,11 @@ def _grouped_gemm_kernel(
                 b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
                 if GATE_UP:
                     b_up = tl.load(b_ptrs + up_shift, mask=k_mask[:, None], other=0.0)
+            if QUANT_A:
+                a32 = a.to(tl.float32)
+                a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), MIN_AMAX_C), FP8_MAX_C)
+                a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FP8_MAX_C), FP8_MAX_C)
+                a = to_fp8(a, b.dtype, UPCAST)
             if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp8 tiles
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -178,7 +187,8 @@ def _grouped_gemm_kernel(
                     b_up = b_up.to(tl.float32)
             if FP8:
                 g = k0 // SCALE_GROUP
-                a_s = tl.load(a_scale_ptrs + g)
+                if not QUANT_A:
+                    a_s = tl.load(a_scale_ptrs + g)
                 if TILE_B_SCALE:
                     acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
                     if GATE_UP:
@@ -224,13 +234,18 @@ def _check_operands(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, w:
         raise ValueError(f"{name}: weights must be [L={rows.num_experts}, {n_rows_w}, K={a.shape[1]}], "
                          f"got {tuple(w.shape)}")
     fp8 = w.dtype == FP8_DTYPE
-    if (a.dtype == FP8_DTYPE) != fp8:
-        raise ValueError(f"{name}: activations {a.dtype} and weights {w.dtype} must both be fp8 or neither")
+    if a.dtype == FP8_DTYPE and not fp8:
+        raise ValueError(f"{name}: fp8 activations need fp8 weights, got {w.dtype}")
     if fp8:
-        if a_scale is None or w_scale is None:
-            raise ValueError(f"{name}: fp8 operands need a_scale and w_scale")
-        if a_scale.shape != (a.shape[0], num_groups(a.shape[1])) or a_scale.dtype != torch.float32:
-            raise ValueError(f"{name}: a_scale must be float32 [{a.shape[0]}, {num_groups(a.shape[1])}], "
+        if w_scale is None:
+            raise ValueError(f"{name}: fp8 weights need w_scale")
+        if a.dtype != FP8_DTYPE and a_scale is not None:
+            raise ValueError(f"{name}: a_scale given for unquantized {a.dtype} activations")
+        if a.dtype == FP8_DTYPE and a_scale is None:
+            raise ValueError(f"{name}: fp8 activations need a_scale")
+        want_a = (a.shape[0], num_groups(a.shape[1]))
+        if a_scale is not None and (a_scale.shape != want_a or a_scale.dtype != torch.float32):
+            raise ValueError(f"{name}: a_scale must be float32 {list(want_a)}, "
                              f"got {a_scale.dtype} {tuple(a_scale.shape)}")
         want = (w.shape[0], num_groups(w.shape[1]), num_groups(w.shape[2]))
         if w_scale.shape != want or w_scale.dtype != torch.float32:
@@ -269,14 +284,15 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     dummy = out  # placeholder pointer for arguments a variant does not read
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
-        a, a_scale.contiguous() if fp8 else dummy, w, w_scale.contiguous() if fp8 else dummy, out,
+        a, dummy if a_scale is None else a_scale.contiguous(), w, w_scale.contiguous() if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
         rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N),
         BATCHED=rows.batched, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
         HAS_ROW_SCALE=row_scale is not None,
-        TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0), UPCAST=a.device.type == "cpu",
+        TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0),
+        QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
         IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK,
@@ -291,7 +307,9 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     Args:
         x_RD: [R, D] activations (bf16/fp16/fp32, or float8_e4m3fn with x_scale_RG float32 [R, ceil(D/128)]).
         w13_LND: [L, 2F, D] weights in x's dtype, or float8_e4m3fn with w13_scale float32
-            [L, ceil(2F/128), ceil(D/128)].
+            [L, ceil(2F/128), ceil(D/128)]. fp8 weights with unquantized x: x is quantized per token per
+            128 columns, inside the kernel for the batched layout (padding slots are never read; needs
+            block_k 128), else by `quantize_act` first.
         rows: the rows of each expert; rows outside every expert are not computed.
         rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`).
         config: launch configuration (default: `gemm_config` for these shapes).
@@ -311,6 +329,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
                                 element_size=x_RD.element_size())
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
+    if fp8 and x_RD.dtype != FP8_DTYPE and not (rows.batched and cfg.block_k == FP8_BLOCK):
+        x_RD, x_scale_RG = quantize_act(x_RD)
     out_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x_RD.dtype)
     h = torch.empty(R, F, dtype=out_dtype, device=x_RD.device)
     h_scale = torch.empty(R, num_groups(F), dtype=torch.float32, device=x_RD.device) if fused_quant else None
@@ -364,7 +384,10 @@ def _dequant(t: torch.Tensor, scale: torch.Tensor | None, weight: bool) -> torch
 
 
 def gate_up_ref(x_RD, w13_LND, rows: ExpertRows, *, x_scale_RG=None, w13_scale=None) -> torch.Tensor:
-    """float32 h [R, F] of `gate_up`, before any output rounding; rows outside the experts are zero."""
+    """float32 h [R, F] of `gate_up`, before any output rounding; rows outside the experts are zero.
+    fp8 weights with unquantized x: x is quantized first, as the kernels do."""
+    if w13_scale is not None and x_scale_RG is None:
+        x_RD, x_scale_RG = quantize_act_ref(x_RD)
     x = _dequant(x_RD, x_scale_RG, weight=False)
     w = _dequant(w13_LND, w13_scale, weight=True)
     F = w.shape[1] // 2
