@@ -21,10 +21,23 @@ _DISPATCHERS = {
 }
 _EXPERTS = {
     "reference": "epmoe.experts.reference:ReferenceExperts",
+    "triton": "epmoe.experts.triton:TritonExperts",
+    "grouped_mm": "epmoe.experts.grouped_mm:GroupedMMExperts",
 }
 # "auto" prefers the first available name in this order.
 _AUTO_DISPATCH_ORDER = ("local", "alltoall", "allgather")
-_AUTO_EXPERTS_ORDER = ("reference",)
+
+
+def auto_experts_order(cfg: MoEConfig, device: torch.device) -> tuple[str, ...]:
+    """The experts names "auto" tries, best first, for this config on `device` (a pure function).
+
+    CPU: the reference (the Triton interpreter is for tests, not speed). CUDA: the Triton kernels, which
+    cover both layouts and fp8; torch._grouped_mm next (contiguous bf16 only). To be refined by shape
+    from the H200 measurements of `epmoe bench experts`.
+    """
+    if device.type == "cuda":
+        return ("triton", "grouped_mm", "reference")
+    return ("reference",)
 
 
 def _load(path: str):
@@ -78,7 +91,8 @@ def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | Non
 def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None) -> str:
     table = list_experts(cfg, device)
     if name == "auto":
-        for candidate in _AUTO_EXPERTS_ORDER:
+        device = default_device() if device is None else torch.device(device)
+        for candidate in auto_experts_order(cfg, device):
             if table[candidate][0]:
                 return candidate
         raise ValueError(f"no experts implementation is available: {table}")

@@ -1,0 +1,310 @@
+"""`epmoe bench experts`: the Triton expert kernels against torch._grouped_mm and a dense cuBLAS matmul.
+
+Shape letters: L local experts, t rows (tokens) per expert, R = L*t rows, D hidden size, F intermediate size.
+
+One expert MLP is y = (silu(x W1^T) * (x W3^T)) W2^T: 6*R*D*F flops. For each model shape and t it
+times, in one run (median of do_bench repeats, L2 flushed before each repeat, random data):
+  triton_bf16      gate-up (SiLU-and-mul fused) + down, contiguous layout
+  triton_bf16_bat  the same on the batched layout [L, t, D] (decode sizes, t <= 64)
+  triton_fp8       fp8 block: x already quantized (as a dispatcher sends it), h quantized in the
+                   gate-up epilogue, bf16 out
+  gmm              torch._grouped_mm gate-up + down, the GEMMs alone (SiLU-and-mul not counted)
+  dense            one dense cuBLAS matmul pair of the same total size ([R, D] x [D, 2F], [R, F] x [F, D])
+and prints TFLOP/s, the ratios triton/gmm and triton/dense, and the floor: max(flops / peak, bytes /
+bandwidth) with the H200 peaks of GPU.md, as % of floor reached (floor time / measured time).
+Bytes of the floor: weights + x + h written and read + y (fp8: weights, x, h in 1 byte).
+Total rows are capped at --max-rows (default 131072): a point with L*t above the cap runs on the
+first max_rows // t experts (reported as L_run), which keeps memory and runtime small.
+
+`--tune` instead times a few candidate launch configs per (op, precision, rows-per-expert bucket) on
+the DeepSeek-V3 and Qwen3 shapes and writes the best as `configs.json` (the format of
+epmoe/kernels/configs.json) to --out; commit it there to use it.
+
+Run: python -m epmoe.bench.experts --out DIR [--tune]   (needs one CUDA GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from ..kernels import configs as configs_mod
+from ..kernels.configs import GemmConfig
+from ..kernels.grouped_gemm import ExpertRows, down, gate_up
+from ..kernels.quant import quantize_act
+from ..quant import quantize_weight_ref
+
+PEAK_BF16_TFLOPS = 686.0   # GPU.md: dense bf16 8192^3 matmul on one H200
+PEAK_FP8_TFLOPS = 1276.0   # GPU.md: torch._scaled_mm tensorwise fp8
+COPY_TBPS = 4.16           # GPU.md: device copy, read + write
+
+SHAPES = {  # name: (D, F, L)
+    "dsv3-128": (7168, 2048, 128),
+    "dsv3-256": (7168, 2048, 256),
+    "qwen3-30b": (2048, 768, 128),
+}
+TOKENS = (1, 16, 64, 128, 256, 512, 1024, 4096)
+DECODE_MAX_TOKENS = 64
+TUNE_BUCKETS = (16, 32, 64, 128, 1_000_000_000)  # rows-per-expert bounds of the table
+TUNE_ROWS = {16: 16, 32: 32, 64: 64, 128: 128, 1_000_000_000: 512}  # t measured for each bucket
+TUNE_EXPERTS = 64
+
+
+@dataclass(frozen=True)
+class Floor:
+    flops: float
+    bytes: float
+    peak_tflops: float
+
+    @property
+    def ms(self) -> float:
+        return max(self.flops / (self.peak_tflops * 1e12), self.bytes / (COPY_TBPS * 1e12)) * 1e3
+
+
+def mlp_floor(R: int, L: int, D: int, F: int, fp8: bool) -> Floor:
+    """The floor of one grouped expert MLP over R rows and L experts."""
+    w_bytes = 1 if fp8 else 2
+    flops = 6.0 * R * D * F
+    nbytes = L * 3 * D * F * w_bytes + R * D * w_bytes + 2 * R * F * w_bytes + R * D * 2
+    return Floor(flops, nbytes, PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS)
+
+
+def time_ms(fn, rep_ms: int) -> float:
+    """Median ms of fn after warm-up; do_bench flushes L2 before each repeat."""
+    return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+
+
+def random_weights(L: int, D: int, F: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(L, 2 * F, D, dtype=torch.bfloat16, device=device).mul_(D ** -0.5)
+    w2 = torch.randn(L, D, F, dtype=torch.bfloat16, device=device).mul_(F ** -0.5)
+    return w13, w2
+
+
+def quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize_weight_ref(w_NK) for w_NK in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def uniform_rows(L: int, t: int, device) -> tuple[ExpertRows, ExpertRows]:
+    """(contiguous, batched) rows with exactly t rows per expert."""
+    counts = torch.full((L,), t, dtype=torch.int32, device=device)
+    offsets = torch.arange(0, (L + 1) * t, t, dtype=torch.int32, device=device)
+    return ExpertRows.contiguous(offsets), ExpertRows.batched_slots(counts, t)
+
+
+def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: int, rep_ms: int) -> dict:
+    w13, w2, q13, s13, q2, s2 = weights
+    L_run = min(L, max_rows // t)
+    R = L_run * t
+    w13, w2, q13, s13, q2, s2 = (w[:L_run] for w in (w13, w2, q13, s13, q2, s2))
+    dev = w13.device
+    contiguous, batched = uniform_rows(L_run, t, dev)
+    x = torch.randn(R, D, dtype=torch.bfloat16, device=dev)
+    xq, xs = quantize_act(x)
+    offs = contiguous.index_L[1:].clone()  # a fresh (16-byte aligned) int32 buffer for torch._grouped_mm
+    w13_t, w2_t = w13.transpose(1, 2), w2.transpose(1, 2)
+    dense13, dense2 = w13[0].t(), w2[0].t()  # one expert's weights as [D, 2F] and [F, D] views
+    h_bf16 = torch.randn(R, F, dtype=torch.bfloat16, device=dev)
+
+    def triton_bf16(rows=contiguous):
+        h, _ = gate_up(x, w13, rows)
+        return down(h, w2, rows)
+
+    def triton_fp8():
+        h, hs = gate_up(xq, q13, contiguous, x_scale_RG=xs, w13_scale=s13)
+        return down(h, q2, contiguous, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16)
+
+    def gmm():
+        torch._grouped_mm(x, w13_t, offs=offs, out_dtype=torch.bfloat16)
+        return torch._grouped_mm(h_bf16, w2_t, offs=offs, out_dtype=torch.bfloat16)
+
+    def dense():
+        torch.mm(x, dense13)
+        return torch.mm(h_bf16, dense2)
+
+    timings = {"triton_bf16": triton_bf16, "triton_fp8": triton_fp8, "dense": dense}
+    if hasattr(torch, "_grouped_mm"):
+        timings["gmm"] = gmm
+    if t <= DECODE_MAX_TOKENS:
+        timings["triton_bf16_bat"] = lambda: triton_bf16(batched)
+    flops = 6.0 * R * D * F
+    res = {"shape": name, "D": D, "F": F, "L": L, "L_run": L_run, "tokens_per_expert": t, "rows": R,
+           "flops": flops}
+    for op in configs_mod.OPS:
+        for fp8 in (False, True):
+            cfg = configs_mod.gemm_config(op, fp8=fp8, rows_hint=t, on_gpu=True)
+            res[f"config_{configs_mod.table_key(op, fp8)}"] = cfg.to_dict()
+    for key, fn in timings.items():
+        try:
+            ms = time_ms(fn, rep_ms)
+        except Exception as exc:  # keep the rest of the sweep; the error goes into the JSON
+            res[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"# {name} t={t} {key} failed: {res[f'{key}_error']}", flush=True)
+            continue
+        res[f"{key}_ms"] = ms
+        res[f"{key}_tflops"] = flops / ms / 1e9
+    for fp8 in (False, True):
+        floor = mlp_floor(R, L_run, D, F, fp8)
+        tag = "fp8" if fp8 else "bf16"
+        res[f"floor_{tag}_ms"] = floor.ms
+        res[f"floor_{tag}_bytes"] = floor.bytes
+        if f"triton_{tag}_ms" in res:
+            res[f"triton_{tag}_pct_floor"] = 100.0 * floor.ms / res[f"triton_{tag}_ms"]
+    for ratio, num, den in (("bf16_vs_gmm", "gmm", "triton_bf16"), ("bf16_vs_dense", "dense", "triton_bf16"),
+                            ("fp8_vs_bf16", "triton_bf16", "triton_fp8")):
+        if f"{num}_ms" in res and f"{den}_ms" in res:
+            res[ratio] = res[f"{num}_ms"] / res[f"{den}_ms"]
+    if "triton_bf16_bat_ms" in res:
+        w_bytes = L_run * 3 * D * F * 2
+        res["bat_weight_tbps"] = w_bytes / res["triton_bf16_bat_ms"] / 1e9
+        res["bat_pct_copy_bw"] = 100.0 * res["bat_weight_tbps"] / COPY_TBPS
+    return res
+
+
+def fmt(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'shape':>10} {'t':>5} {'L_run':>5} {'bf16 TF':>8} {'gmm TF':>8} {'dense TF':>8} {'x gmm':>6} "
+            f"{'x dense':>7} {'%floor':>6} {'fp8 TF':>8} {'x bf16':>6} {'%floor8':>7} {'bat TB/s':>8} {'%bw':>5}")
+    print(head)
+    for r in rows:
+        print(f"{r['shape']:>10} {r['tokens_per_expert']:>5} {r['L_run']:>5} {fmt(r.get('triton_bf16_tflops')):>8} "
+              f"{fmt(r.get('gmm_tflops')):>8} {fmt(r.get('dense_tflops')):>8} {fmt(r.get('bf16_vs_gmm'), '.2f'):>6} "
+              f"{fmt(r.get('bf16_vs_dense'), '.2f'):>7} {fmt(r.get('triton_bf16_pct_floor')):>6} "
+              f"{fmt(r.get('triton_fp8_tflops')):>8} {fmt(r.get('fp8_vs_bf16'), '.2f'):>6} "
+              f"{fmt(r.get('triton_fp8_pct_floor')):>7} {fmt(r.get('bat_weight_tbps'), '.2f'):>8} "
+              f"{fmt(r.get('bat_pct_copy_bw')):>5}")
+
+
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+
+
+def run_bench(args, dev: torch.device) -> dict:
+    rows = []
+    for name in args.shapes:
+        D, F, L = SHAPES[name]
+        w13, w2 = random_weights(L, D, F, dev)
+        q13, s13 = quantize_per_expert(w13)
+        q2, s2 = quantize_per_expert(w2)
+        weights = (w13, w2, q13, s13, q2, s2)
+        for t in args.tokens:
+            t0 = time.perf_counter()
+            rows.append(bench_point(name, D, F, L, t, weights, args.max_rows, args.rep_ms))
+            print(f"# {name} t={t}: {time.perf_counter() - t0:.1f}s", flush=True)
+        del w13, w2, q13, s13, q2, s2, weights
+        torch.cuda.empty_cache()
+    print_table(rows)
+    return {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+            "max_rows": args.max_rows, "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS,
+                                                  "copy_tbps": COPY_TBPS}, "points": rows}
+
+
+def candidates(op: str, fp8: bool, bound: int) -> list[GemmConfig]:
+    """A few launch configs worth trying for one table bucket (small: each costs a compile)."""
+    if bound <= 64:  # weight-bandwidth bound: rows tile = the bucket, many column tiles in flight
+        bm = max(16, bound)
+        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages)
+                for bn, bk, stages, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4))]
+    bk = 128 if fp8 else 64
+    shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8))  # (block_m, block_n, warps)
+    if op == "down":  # one accumulator: room for wider tiles
+        shapes += ((64, 256, 8), (128, 256, 8))
+    return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps,
+                       num_stages=3 if bm * bn >= 128 * 256 else 4)
+            for bm, bn, warps in shapes]
+
+
+def format_table(table: dict) -> str:
+    """configs.json text: one bucket per line, like the committed table."""
+    keys = [f'    "{key}": [\n' + ",\n".join(f"      {json.dumps(bucket)}" for bucket in buckets) + "\n    ]"
+            for key, buckets in table["tables"].items()]
+    return ('{\n  "comment": ' + json.dumps(table["comment"]) + ',\n  "tables": {\n' + ",\n".join(keys)
+            + "\n  }\n}\n")
+
+
+def run_tune(args, dev: torch.device) -> dict:
+    shapes = [(D, F) for D, F, _ in (SHAPES["dsv3-128"], SHAPES["qwen3-30b"])]
+    L = TUNE_EXPERTS
+    prepared = []
+    for D, F in shapes:
+        w13, w2 = random_weights(L, D, F, dev)
+        prepared.append((D, F, w13, w2, *quantize_per_expert(w13), *quantize_per_expert(w2)))
+    tables: dict[str, list] = {}
+    report = []
+    for fp8 in (False, True):
+        for op in configs_mod.OPS:
+            key = configs_mod.table_key(op, fp8)
+            tables[key] = []
+            for bound in TUNE_BUCKETS:
+                t = TUNE_ROWS[bound]
+                scores: dict[GemmConfig, float] = {}
+                for D, F, w13, w2, q13, s13, q2, s2 in prepared:
+                    contiguous, batched = uniform_rows(L, t, dev)
+                    rows = batched if bound <= DECODE_MAX_TOKENS else contiguous
+                    K = D if op == "gate_up" else F
+                    a = torch.randn(L * t, K, dtype=torch.bfloat16, device=dev)
+                    aq, as_ = quantize_act(a)
+                    per_shape = {}
+                    for cfg in candidates(op, fp8, bound):
+                        if op == "gate_up":
+                            fn = ((lambda c=cfg: gate_up(aq, q13, rows, x_scale_RG=as_, w13_scale=s13, config=c))
+                                  if fp8 else (lambda c=cfg: gate_up(a, w13, rows, config=c)))
+                        else:
+                            fn = ((lambda c=cfg: down(aq, q2, rows, h_scale_RG=as_, w2_scale=s2,
+                                                      out_dtype=torch.bfloat16, config=c))
+                                  if fp8 else (lambda c=cfg: down(a, w2, rows, config=c)))
+                        try:
+                            per_shape[cfg] = time_ms(fn, args.rep_ms)
+                        except Exception as exc:  # a candidate the compiler refuses (shared memory, registers)
+                            print(f"# skip {key} t={t} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                    best = min(per_shape.values())
+                    for cfg in set(scores) | set(per_shape):  # score: slowdown vs the best, summed
+                        scores[cfg] = scores.get(cfg, 0.0) + per_shape.get(cfg, math.inf) / best
+                winner = min(scores, key=scores.get)
+                tables[key].append([bound, winner.to_dict()])
+                report.append({"key": key, "bound": bound, "t": t, "best": winner.to_dict(),
+                               "scores": [[c.to_dict(), s] for c, s in sorted(scores.items(), key=lambda kv: kv[1])]})
+                print(f"{key:>13} t<={bound:<10} best {winner}  (score {scores[winner]:.3f})", flush=True)
+    table = {"comment": f"Tuned by `python -m epmoe.bench.experts --tune` on {device_name(dev)}, "
+                        f"torch {torch.__version__}, triton {triton.__version__}.", "tables": tables}
+    if args.out:
+        (Path(args.out) / "configs.json").write_text(format_table(table))
+    return {"tune": report, "table": table}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="folder for experts.json (and configs.json with --tune)")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="rows per expert to sweep")
+    p.add_argument("--max-rows", type=int, default=131072, help="cap on total rows per point (see L_run)")
+    p.add_argument("--rep-ms", type=int, default=40, help="do_bench time budget per measurement")
+    p.add_argument("--tune", action="store_true", help="tune launch configs and write configs.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("epmoe bench experts needs a CUDA GPU")
+    if any(t < 1 for t in args.tokens):
+        raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    result = run_tune(args, dev) if args.tune else run_bench(args, dev)
+    result["seconds"] = time.perf_counter() - t0
+    print(f"# total {result['seconds']:.0f}s")
+    if args.out:
+        (Path(args.out) / ("experts_tune.json" if args.tune else "experts.json")).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
