@@ -17,12 +17,13 @@ _DISPATCHERS = {
     "local": "epmoe.dispatch.local:LocalDispatcher",
     "allgather": "epmoe.dispatch.allgather:AllGatherDispatcher",
     "alltoall": "epmoe.dispatch.alltoall:AllToAllDispatcher",
+    "ht": "epmoe.dispatch.ht:HtDispatcher",
 }
 _EXPERTS = {
     "reference": "epmoe.experts.reference:ReferenceExperts",
 }
 # "auto" prefers the first available name in this order.
-_AUTO_DISPATCH_ORDER = ("local", "alltoall", "allgather")
+_AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 _AUTO_EXPERTS_ORDER = ("reference",)
 
 

@@ -80,6 +80,8 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     from torch.distributed import _symmetric_memory as symm_mem
 
     _, total = _offsets(specs)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, deprecated later
+        symm_mem.enable_symm_mem_for_group(group.group_name)
     raw = symm_mem.empty(total, dtype=torch.uint8, device=device)
     raw.zero_()
     handle = symm_mem.rendezvous(raw, group=group.group_name)
