@@ -76,7 +76,7 @@ def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
             scale = tl.maximum(amax, 1e-10) / 448.0  # as epmoe.quant.quantize_act_ref
             q = row.to(tl.float32) / scale[:, None]
             q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-            row_out = q.to(tl.float8e4nv)
+            row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
             row_out = row
         ids = tl.load(ids_ptr + t * K + kk, mask=kmask, other=-1).to(tl.int32)
@@ -132,7 +132,7 @@ def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, 
                 acc += w * y.to(tl.float32)
             row_at = ((parity * R + rank) * C + s).to(tl.int64)
             dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at * D + cols
-            tl.store(tl.multiple_of(dst, 16), acc.to(y_ptr.dtype.element_ty), mask=cmask)
+            tl.store(tl.multiple_of(dst, 16), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
     _signal(flag_peers, rank, R)
 
 
@@ -153,7 +153,7 @@ def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
             row_at = ((parity * R + r) * C + tl.maximum(slot, 0)).to(tl.int64)
             acc += tl.load(comb_ptr + row_at * D + cols, mask=cmask & (slot + zero_D >= 0),
                            other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.cast(t, tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+        tl.store(out_ptr + tl.cast(t, tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
 
 
 def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
