@@ -73,8 +73,9 @@ def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
         row = tl.load(x_ptr + tl.cast(t, tl.int64) * D + cols, mask=cmask, other=0.0)
         if FP8:
             amax = tl.max(tl.abs(row.to(tl.float32)), axis=1)
-            scale = tl.maximum(amax, 1e-10) / 448.0  # as epmoe.quant.quantize_act_ref
-            q = row.to(tl.float32) / scale[:, None]
+            # as epmoe.quant.quantize_act_ref, with IEEE divisions (a plain `/` may be approximate)
+            scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
+            q = tl.div_rn(row.to(tl.float32), scale[:, None] + tl.zeros(row.shape, tl.float32))
             q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
