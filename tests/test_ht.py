@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; GPU runs set it to 0
-
 import pytest
 import torch
+
+# Before epmoe's kernels are defined: interpret Triton on CPU-only machines. With CUDA, the emulated-rank
+# tests run the compiled kernels on one GPU, and the multi-GPU tests run too.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 from epmoe.config import MoEConfig
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
@@ -22,6 +24,7 @@ from epmoe.registry import list_dispatchers
 from epmoe.symm import EmulatedGroup
 
 _INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+_EMU_DEVICE = "cpu" if _INTERPRET else "cuda"  # where emulated ranks keep their buffers
 # The interpreter's fp32 -> bf16/fp16 cast rounds ties down (the GPU rounds to nearest even): combine
 # results may then differ from the exact expectation by one ulp of each partial and of the sum.
 _COMBINE_TOL = dict(rtol=2 ** -7, atol=0) if _INTERPRET else dict(rtol=0, atol=0)
@@ -105,9 +108,10 @@ def expected_combine(cfg: MoEConfig, R: int, x: torch.Tensor, ids: torch.Tensor,
                      rowfn=lambda x: x.float()) -> torch.Tensor:
     """out[t] = dtype(sum_r dtype(sum_{k on rank r} w * dtype(row(x) * (id + 1)))) in float64."""
     L = cfg.num_experts // R
+    x, ids, w = x.cpu(), ids.cpu(), w.cpu()
     T, D = x.shape
     out = torch.zeros(T, D, dtype=torch.float64)
-    xr = rowfn(x.cpu())
+    xr = rowfn(x)
     for t in range(T):
         for r in range(R):
             part = torch.zeros(D, dtype=torch.float64)
@@ -123,7 +127,7 @@ def expected_combine(cfg: MoEConfig, R: int, x: torch.Tensor, ids: torch.Tensor,
 
 def make_world(cfg: MoEConfig, R: int, **options):
     from epmoe.dispatch.ht import HtDispatcher
-    return [HtDispatcher(cfg, g, **options) for g in EmulatedGroup.world(R)]
+    return [HtDispatcher(cfg, g, device=_EMU_DEVICE, **options) for g in EmulatedGroup.world(R)]
 
 
 def emulate_dispatch(dispatchers, inputs):
@@ -183,7 +187,8 @@ CASES = [  # (R, E, K, D, tokens per rank, routing)
 def test_round_trip_exact(R, E, K, D, Ts, routing):
     cfg = _cfg(E=E, K=K, D=D)
     dispatchers = make_world(cfg, R)
-    check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, routing, seed=1) for r, T in enumerate(Ts)])
+    check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, routing, seed=1, device=_EMU_DEVICE)
+                                        for r, T in enumerate(Ts)])
 
 
 @pytest.mark.parametrize("R,D,routing", [(2, 200, "holes"), (3, 128, "random")])
@@ -192,8 +197,8 @@ def test_fp8_dispatch_matches_torch_quant(R, D, routing):
     dispatchers = make_world(cfg, R)
     inputs = []
     for r in range(R):
-        x, ids, w = exact_inputs(cfg, r, 3, routing, seed=2)
-        inputs.append((fp8_exact_rows(x.shape[0], D, seed=r), ids, w))
+        x, ids, w = exact_inputs(cfg, r, 3, routing, seed=2, device=_EMU_DEVICE)
+        inputs.append((fp8_exact_rows(x.shape[0], D, seed=r).to(_EMU_DEVICE), ids, w))
     check_round_trip(cfg, dispatchers, inputs)
 
 
@@ -204,13 +209,14 @@ def test_back_to_back_calls_and_sync_free():
         dispatchers = make_world(cfg, 2, **options)
         for call in range(3):
             Ts = [(call + 1) % 5, 4 - call]
-            check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, "holes", seed=10 + call)
-                                                for r, T in enumerate(Ts)])
+            inputs = [exact_inputs(cfg, r, T, "holes", seed=10 + call, device=_EMU_DEVICE) for r, T in enumerate(Ts)]
+            check_round_trip(cfg, dispatchers, inputs)
 
 
 def test_float32_dtype():
     cfg = _cfg(E=4, K=3, D=12, dtype=torch.float32)
-    check_round_trip(cfg, make_world(cfg, 2), [exact_inputs(cfg, r, 3, "random", seed=3) for r in range(2)])
+    check_round_trip(cfg, make_world(cfg, 2), [exact_inputs(cfg, r, 3, "random", seed=3, device=_EMU_DEVICE)
+                                               for r in range(2)])
 
 
 def test_refuses_bad_input():
@@ -219,16 +225,16 @@ def test_refuses_bad_input():
     groups = EmulatedGroup.world(2)
     assert not HtDispatcher.availability(cfg, groups[0])[0]
     with pytest.raises(ValueError, match="multiple of 16"):
-        HtDispatcher(cfg, groups[0])
+        HtDispatcher(cfg, groups[0], device=_EMU_DEVICE)
     cfg = _cfg(E=6)
     with pytest.raises(ValueError, match="divisible"):
-        HtDispatcher(cfg, EmulatedGroup.world(4)[0])
+        HtDispatcher(cfg, EmulatedGroup.world(4)[0], device=_EMU_DEVICE)
     cfg = _cfg(C=2)
     d = make_world(cfg, 2)[0]
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        d.dispatch_send(*exact_inputs(cfg, 0, 3, "random", seed=0))
+        d.dispatch_send(*exact_inputs(cfg, 0, 3, "random", seed=0, device=_EMU_DEVICE))
     with pytest.raises(ValueError, match="outside"):
-        x, ids, w = exact_inputs(cfg, 0, 2, "random", seed=0)
+        x, ids, w = exact_inputs(cfg, 0, 2, "random", seed=0, device=_EMU_DEVICE)
         d.dispatch_send(x, ids + cfg.num_experts, w)
 
 

@@ -93,7 +93,7 @@ class HtDispatcher(Dispatcher):
             world = dist.get_world_size(group)
             if not torch.cuda.is_available():
                 return False, "needs CUDA"
-            if dist.get_backend(group) != "nccl":
+            if "nccl" not in str(dist.get_backend(group)):
                 return False, f"needs a NCCL group on one host, got backend {dist.get_backend(group)!r}"
             if world > torch.cuda.device_count():
                 return False, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
