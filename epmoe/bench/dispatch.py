@@ -6,7 +6,7 @@
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
 (median after warm-up; two input sets alternate). Reported per rank:
-- time of dispatch and combine (us), and of the `alltoall` dispatcher on the same bf16 data, with the
+- time of dispatch (split into transfer and layout for ht) and combine (us), and of the `alltoall` dispatcher on the same bf16 data, with the
   end-to-end ratio (alltoall dispatch + combine) / (ht dispatch + combine);
 - link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
   [+ fp8 scales] of each (token, other rank) pair; combine: one bf16 row per (token, rank) pair it returns);
@@ -59,27 +59,38 @@ def _inputs(T: int, D: int, E: int, K: int, device, seed: int):
     return x, ids, w
 
 
-def _time(dispatcher, inputs, warmup: int, iters: int) -> tuple[float, float]:
-    """Median (dispatch us, combine us) over `iters` calls after `warmup`, alternating the input sets."""
+def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
+    """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
+    combine; for `ht` also the transfer part of dispatch (send kernel + wait for all ranks' rows)."""
+    ht = hasattr(dispatcher, "_dispatch_wait")
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
         b = dispatcher._dispatch(x, ids, w)
         ys.append(torch.randn(b.x.shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(warmup + iters)]
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(warmup + iters)]
     dist.barrier()
     torch.cuda.synchronize()
-    for i, (e0, e1, e2) in enumerate(ev):
+    for i, (e0, e1, e2, e3) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
         e0.record()
-        b = dispatcher._dispatch(x, ids, w)
-        e1.record()
-        dispatcher._combine(ys[i % len(inputs)], b)
+        if ht:
+            pending = dispatcher._dispatch_send(x, ids, w)
+            dispatcher._dispatch_wait()
+            e1.record()
+            b = dispatcher._expert_batch(pending)
+        else:
+            b = dispatcher._dispatch(x, ids, w)
+            e1.record()
         e2.record()
+        dispatcher._combine(ys[i % len(inputs)], b)
+        e3.record()
     torch.cuda.synchronize()
-    disp = statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1, _ in ev[warmup:])
-    comb = statistics.median(e1.elapsed_time(e2) * 1e3 for _, e1, e2 in ev[warmup:])
-    return disp, comb
+
+    def median(a: int, z: int) -> float:
+        return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])
+
+    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(2, 3))
 
 
 def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
@@ -105,12 +116,16 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
         sent_other = int(sent_R.sum() - sent_R[ctx.rank])
         recv_all, recv_other = int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
-        a2a_d, a2a_c = _time(a2a, inputs, args.warmup, args.iters)
+        a2a_t = _time(a2a, inputs, args.warmup, args.iters)
+        a2a_d, a2a_c = a2a_t["dispatch"], a2a_t["combine"]
         for prec, ht in hts.items():
-            d_us, c_us = _time(ht, inputs, args.warmup, args.iters)
+            t = _time(ht, inputs, args.warmup, args.iters)
+            d_us, c_us = t["dispatch"], t["combine"]
             row_b = D * 2 if prec == "bf16" else D + 4 * G
             rows.append(dict(
                 rank=ctx.rank, tokens=T, precision=prec, dispatch_us=d_us, combine_us=c_us,
+                transfer_us=t["transfer"], layout_us=d_us - t["transfer"],
+                transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
                 dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
                 combine_link_GBps=recv_other * D * 2 / c_us / 1e3,
                 dispatch_deepep_GBps=recv_all * row_b / d_us / 1e3,
@@ -124,12 +139,13 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("rank", "T", "prec", "disp us", "comb us", "disp link GB/s", "comb link GB/s", "disp DeepEP GB/s",
-            "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a")
+    head = ("rank", "T", "prec", "disp us", "(xfer", "layout)", "comb us", "xfer link GB/s", "disp link GB/s",
+            "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a")
     lines = [" | ".join(head)]
     for r in rows:
         lines.append(" | ".join([
-            str(r["rank"]), str(r["tokens"]), r["precision"], f"{r['dispatch_us']:.0f}", f"{r['combine_us']:.0f}",
+            str(r["rank"]), str(r["tokens"]), r["precision"], f"{r['dispatch_us']:.0f}", f"{r['transfer_us']:.0f}",
+            f"{r['layout_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
             f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
             f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",
             f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}"]))
@@ -155,7 +171,9 @@ def main(argv: list[str]) -> None:
           f"of {rows[0]['sms']} SMs; 1 program waits; the final combine sum uses up to "
           f"{4 * rows[0]['ht_programs']} programs (no spinning)")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
-          f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine")
+          f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
+          f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted batch, one row per "
+          f"(token, local expert), incl. its host sync)")
     print(_table(rows))
     print(f"wrote {out / 'bench_dispatch.json'}")
 

@@ -123,6 +123,7 @@ class HtDispatcher(Dispatcher):
                 torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
         self.sync_free = bool(sync_free)
+        self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
         self.fp8 = cfg.quant == "fp8_block"
         self.capacity = cfg.max_tokens_per_rank
         self.launch = kernels.ht_launch(cfg.row_bytes, self.device)
@@ -228,11 +229,17 @@ class HtDispatcher(Dispatcher):
         return HtDispatchPending(slot_TR=slot_TR, num_tokens=T)
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
+        self._dispatch_wait()
+        return self._expert_batch(pending)
+
+    def _dispatch_wait(self) -> None:
+        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch)
+
+    def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
+        """The received rows, sorted by local expert (source rank, slot, k within an expert)."""
         R, C, L, K, D = self.world_size, self.capacity, self.num_local_experts, self.cfg.top_k, self.cfg.hidden_size
         P = R * C
-        seq = self.ws.local("dispatch_seq")
-        kernels.wait_flags(self.ws.local("dispatch_flag"), seq, self.launch)
-        parity_1 = (seq % 2).long()
+        parity_1 = (self.ws.local("dispatch_seq") % 2).long()
         recv_counts_R = self.ws.local("recv_count").index_select(0, parity_1).view(R)
         ids_PK = self.ws.local("recv_ids").view(2, P, K).index_select(0, parity_1).view(P, K)
         weights_PK = self.ws.local("recv_w").view(2, P, K).index_select(0, parity_1).view(P, K)
