@@ -110,6 +110,8 @@ class HtDispatcher(Dispatcher):
         if cfg.row_bytes % 16:
             return False, f"rows of hidden_size={cfg.hidden_size} x {cfg.dtype} are {cfg.row_bytes} bytes, " \
                           f"not a multiple of 16"
+        if cfg.quant == "fp8_block" and cfg.hidden_size % 16:
+            return False, f"fp8 rows of hidden_size={cfg.hidden_size} are {cfg.hidden_size} bytes, not a multiple of 16"
         return True, "ok"
 
     def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool = False,
