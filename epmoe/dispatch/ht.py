@@ -75,6 +75,9 @@ class HtDispatcher(Dispatcher):
         device: where buffers live; default the current CUDA device for a process group, the CPU for
             an EmulatedGroup.
 
+    Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
+    by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
+
     Phases (public so that emulated ranks can run them in turn, and for overlap):
         dispatch_send -> dispatch_recv -> (experts) -> combine_send -> combine_recv.
     T may differ per rank and be 0; T <= cfg.max_tokens_per_rank.
