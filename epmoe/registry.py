@@ -17,6 +17,7 @@ _DISPATCHERS = {
     "local": "epmoe.dispatch.local:LocalDispatcher",
     "allgather": "epmoe.dispatch.allgather:AllGatherDispatcher",
     "alltoall": "epmoe.dispatch.alltoall:AllToAllDispatcher",
+    "ht": "epmoe.dispatch.ht:HtDispatcher",
     "ll": "epmoe.dispatch.ll:LLDispatcher",
 }
 _EXPERTS = {
@@ -25,7 +26,7 @@ _EXPERTS = {
     "grouped_mm": "epmoe.experts.grouped_mm:GroupedMMExperts",
 }
 # "auto" prefers the first available name in this order.
-_AUTO_DISPATCH_ORDER = ("local", "alltoall", "allgather")
+_AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 
 
 def auto_experts_order(cfg: MoEConfig, device: torch.device) -> tuple[str, ...]:

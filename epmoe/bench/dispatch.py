@@ -1,0 +1,182 @@
+"""`epmoe bench dispatch`: the `ht` dispatcher against `alltoall` over NCCL, 2 ranks on 2 GPUs of one host.
+
+    python -m epmoe.bench.dispatch --out OUT_DIR [--tokens 512,1024,4096,8192] [--hidden 7168] [--topk 8]
+                                   [--experts 256] [--iters 20] [--warmup 5]
+
+For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
+tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
+(median after warm-up; two input sets alternate). Reported per rank:
+- time of dispatch (split into transfer and layout for ht) and combine (us), and of the `alltoall` dispatcher on the same bf16 data, with the
+  end-to-end ratio (alltoall dispatch + combine) / (ht dispatch + combine);
+- link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
+  [+ fp8 scales] of each (token, other rank) pair; combine: one bf16 row per (token, rank) pair it returns);
+  the NVLink limit is 478 GB/s per direction;
+- DeepEP's metric: all received rows including the local share (hidden bytes, + scales for fp8) per second.
+Writes OUT_DIR/bench_dispatch.json and prints a table. Runs ~1-2 minutes.
+
+Shape letters: T tokens per rank, D hidden size, K top-k, E experts, R ranks, G fp8 scale groups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..launch import RankContext, spawn
+from ..quant import num_groups
+
+NVLINK_GBPS = 478.0
+_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="epmoe bench dispatch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for bench_dispatch.json")
+    p.add_argument("--tokens", default="512,1024,4096,8192", help="tokens per rank, comma-separated")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=2)
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    return args
+
+
+def _inputs(T: int, D: int, E: int, K: int, device, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, D, device=device, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, device=device, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, device=device, generator=g).softmax(dim=1)
+    return x, ids, w
+
+
+def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
+    """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
+    combine; for `ht` also the transfer part of dispatch (send kernel + wait for all ranks' rows)."""
+    ht = hasattr(dispatcher, "_dispatch_wait")
+    ys = []
+    for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
+        b = dispatcher._dispatch(x, ids, w)
+        ys.append(torch.randn(b.x.shape, device=x.device).to(torch.bfloat16))
+        dispatcher._combine(ys[-1], b)
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(warmup + iters)]
+    dist.barrier()
+    torch.cuda.synchronize()
+    for i, (e0, e1, e2, e3) in enumerate(ev):
+        x, ids, w = inputs[i % len(inputs)]
+        e0.record()
+        if ht:
+            pending = dispatcher._dispatch_send(x, ids, w)
+            dispatcher._dispatch_wait()
+            e1.record()
+            b = dispatcher._expert_batch(pending)
+        else:
+            b = dispatcher._dispatch(x, ids, w)
+            e1.record()
+        e2.record()
+        dispatcher._combine(ys[i % len(inputs)], b)
+        e3.record()
+    torch.cuda.synchronize()
+
+    def median(a: int, z: int) -> float:
+        return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])
+
+    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(2, 3))
+
+
+def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
+    from ..dispatch.alltoall import AllToAllDispatcher
+    from ..dispatch.ht import HtDispatcher
+
+    D, K, E, R = args.hidden, args.topk, args.experts, ctx.world_size
+    L, G = E // R, num_groups(D)
+    common = dict(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, dtype=torch.bfloat16,
+                  max_tokens_per_rank=max(args.tokens))
+    cfg_bf16, cfg_fp8 = MoEConfig(**common), MoEConfig(**common, quant="fp8_block")
+    a2a = AllToAllDispatcher(cfg_bf16, ctx.group)
+    hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group), "fp8": HtDispatcher(cfg_fp8, ctx.group)}
+    rows = []
+    for T in args.tokens:
+        inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
+        # pairs this rank sends to other ranks, and rows it receives (from others / in all), set 0
+        ids = inputs[0][1]
+        dest_TK = ids // L
+        wants_TR = torch.zeros(T, R, dtype=torch.int32, device=ctx.device).scatter_(1, dest_TK, 1)
+        sent_R = wants_TR.sum(0)
+        recv_R = torch.empty_like(sent_R)
+        dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
+        sent_other = int(sent_R.sum() - sent_R[ctx.rank])
+        recv_all, recv_other = int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
+        a2a_t = _time(a2a, inputs, args.warmup, args.iters)
+        a2a_d, a2a_c = a2a_t["dispatch"], a2a_t["combine"]
+        for prec, ht in hts.items():
+            t = _time(ht, inputs, args.warmup, args.iters)
+            d_us, c_us = t["dispatch"], t["combine"]
+            row_b = D * 2 if prec == "bf16" else D + 4 * G
+            rows.append(dict(
+                rank=ctx.rank, tokens=T, precision=prec, dispatch_us=d_us, combine_us=c_us,
+                transfer_us=t["transfer"], layout_us=d_us - t["transfer"],
+                transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
+                dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
+                combine_link_GBps=recv_other * D * 2 / c_us / 1e3,
+                dispatch_deepep_GBps=recv_all * row_b / d_us / 1e3,
+                combine_deepep_GBps=recv_all * D * 2 / c_us / 1e3,
+                alltoall_dispatch_us=a2a_d, alltoall_combine_us=a2a_c,
+                speedup_vs_alltoall=(a2a_d + a2a_c) / (d_us + c_us),
+                pairs_sent_to_others=sent_other, rows_received=recv_all,
+                ht_programs=ht.launch.programs,
+                sms=torch.cuda.get_device_properties(ctx.device).multi_processor_count))
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("rank", "T", "prec", "disp us", "(xfer", "layout)", "comb us", "xfer link GB/s", "disp link GB/s",
+            "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a")
+    lines = [" | ".join(head)]
+    for r in rows:
+        lines.append(" | ".join([
+            str(r["rank"]), str(r["tokens"]), r["precision"], f"{r['dispatch_us']:.0f}", f"{r['transfer_us']:.0f}",
+            f"{r['layout_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
+            f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
+            f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",
+            f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """Entry point of `epmoe bench dispatch` (argv without the subcommand)."""
+    args = _parse(argv)
+    if torch.cuda.device_count() < args.ranks:
+        raise SystemExit(f"bench dispatch needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
+    for key, value in _ENV.items():  # NVLink multicast stays off on the benchmark machine
+        os.environ.setdefault(key, value)
+    per_rank = spawn(_rank_main, args.ranks, "cuda", (args,))
+    rows = sorted((r for rank_rows in per_rank for r in rank_rows), key=lambda r: (r["tokens"], r["precision"], r["rank"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, ranks=args.ranks, iters=args.iters,
+                warmup=args.warmup, nvlink_GBps_per_direction=NVLINK_GBPS,
+                note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
+    (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    print(f"ht: {rows[0]['ht_programs']} programs (one per SM) for the send kernels of dispatch and combine, "
+          f"of {rows[0]['sms']} SMs; 1 program waits; the final combine sum uses up to "
+          f"{4 * rows[0]['ht_programs']} programs (no spinning)")
+    print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
+          f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
+          f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted batch, one row per "
+          f"(token, local expert), incl. its host sync)")
+    print(_table(rows))
+    print(f"wrote {out / 'bench_dispatch.json'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,290 @@
+"""`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
+
+Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum, and one
+Triton kernel stores each row once per destination rank (fp8-quantized on the way when
+cfg.quant == "fp8_block") straight into that rank's receive region, with the token's destination-local
+ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
+on the device and builds the expert-sorted contiguous batch from the received rows.
+Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
+(token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
+
+Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
+    recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
+    recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count int32 [2, R],
+    comb [2, R, C, D] cfg.dtype, dispatch_flag / combine_flag int64 [R] (monotonic, one add per sending
+    program and call), dispatch_seq / combine_seq int32 [1] (epochs, incremented on the device).
+Why two copies suffice: a rank's send n+2 only starts after its receive n+1, which waited for every
+peer's send n+1, which each peer issued after its own receive n; so the region of call n is never
+overwritten while a peer still reads it. Calls must alternate send/receive per phase on every rank.
+
+Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks, C capacity
+(cfg.max_tokens_per_rank), P = R*C receive rows, N rows of the expert batch, G = ceil(D / 128).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
+from ..kernels import ht as kernels
+from ..quant import FP8_DTYPE, num_groups
+from ..symm import BufferSpec, EmulatedGroup, Workspace, torch_workspace
+
+MAX_WORLD = 8
+
+
+@dataclass(frozen=True)
+class HtDispatchPending:
+    """What dispatch_send hands to dispatch_recv (and, through the handle, to combine)."""
+
+    slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class HtHandle:
+    """Routing state of one dispatch, consumed by combine. Holds no view of the workspace."""
+
+    slot_TR: torch.Tensor  # int32 [T, R], as in HtDispatchPending
+    pos_PK: torch.Tensor  # int32 [P, K]: batch row of received pair (row p, slot k), -1 if none
+    weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows
+    recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class HtCombinePending:
+    slot_TR: torch.Tensor
+    num_tokens: int
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class HtDispatcher(Dispatcher):
+    """NVLink dispatcher over symmetric memory; contiguous expert-sorted output.
+
+    Options:
+        sync_free: False (default): one host sync per dispatch, to size the batch to its valid rows.
+            True: no host sync anywhere (CUDA-graph capturable when driven through the phase methods or
+            dispatch/combine): the batch has R*C*min(K, L) rows, valid ones end at offsets_L1[L].
+        device: where buffers live; default the current CUDA device for a process group, the CPU for
+            an EmulatedGroup.
+
+    Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
+    by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
+
+    Phases (public so that emulated ranks can run them in turn, and for overlap):
+        dispatch_send -> dispatch_recv -> (experts) -> combine_send -> combine_recv.
+    T may differ per rank and be 0; T <= cfg.max_tokens_per_rank.
+    """
+
+    name = "ht"
+    layout = Layout.CONTIGUOUS
+    supports_fp8_dispatch = True
+    needs_host_sync = True
+
+    @classmethod
+    def availability(cls, cfg: MoEConfig, group) -> tuple[bool, str]:
+        if isinstance(group, EmulatedGroup):
+            world = group.world_size
+        elif isinstance(group, dist.ProcessGroup):
+            world = dist.get_world_size(group)
+            if not torch.cuda.is_available():
+                return False, "needs CUDA"
+            if "nccl" not in str(dist.get_backend(group)):
+                return False, f"needs a NCCL group on one host, got backend {dist.get_backend(group)!r}"
+            if world > torch.cuda.device_count():
+                return False, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
+            try:
+                import torch.distributed._symmetric_memory  # noqa: F401
+            except ImportError:
+                return False, "torch.distributed._symmetric_memory is not available"
+        else:
+            return False, "needs a NCCL process group or an EmulatedGroup"
+        if world > MAX_WORLD:
+            return False, f"world size {world} > {MAX_WORLD} (one NVLink domain)"
+        if cfg.num_experts % world:
+            return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+        if cfg.row_bytes % 16:
+            return False, f"rows of hidden_size={cfg.hidden_size} x {cfg.dtype} are {cfg.row_bytes} bytes, " \
+                          f"not a multiple of 16"
+        if cfg.quant == "fp8_block" and cfg.hidden_size % 16:
+            return False, f"fp8 rows of hidden_size={cfg.hidden_size} are {cfg.hidden_size} bytes, not a multiple of 16"
+        return True, "ok"
+
+    def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        available, reason = self.availability(cfg, group)
+        if not available:
+            raise ValueError(f"dispatcher 'ht': {reason}")
+        super().__init__(cfg, group)
+        if device is None:
+            device = torch.device("cpu") if isinstance(group, EmulatedGroup) else \
+                torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self.sync_free = bool(sync_free)
+        self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
+        self.fp8 = cfg.quant == "fp8_block"
+        self.capacity = cfg.max_tokens_per_rank
+        self.launch = kernels.ht_launch(cfg.row_bytes, self.device)
+        specs = self._specs()
+        if isinstance(group, EmulatedGroup):
+            # Dispatchers of equal config share one workspace, epochs and flags included, so they act
+            # as one dispatcher; the first emulated rank to get here allocates every rank's buffers.
+            self.ws: Workspace = group.workspace(("ht", cfg, str(self.device)), specs, self.device)
+        else:
+            self.ws = torch_workspace(specs, group, self.device)
+
+    def _specs(self) -> list[BufferSpec]:
+        R, C, D, K = self.world_size, self.capacity, self.cfg.hidden_size, self.cfg.top_k
+        specs = [BufferSpec("recv_x", (2, R, C, D), FP8_DTYPE if self.fp8 else self.cfg.dtype)]
+        if self.fp8:
+            specs.append(BufferSpec("recv_scale", (2, R, C, num_groups(D)), torch.float32))
+        return specs + [
+            BufferSpec("recv_ids", (2, R, C, K), torch.int32),
+            BufferSpec("recv_w", (2, R, C, K), torch.float32),
+            BufferSpec("recv_count", (2, R), torch.int32),
+            BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
+            BufferSpec("dispatch_flag", (R,), torch.int64),
+            BufferSpec("combine_flag", (R,), torch.int64),
+            BufferSpec("dispatch_seq", (1,), torch.int32),
+            BufferSpec("combine_seq", (1,), torch.int32),
+        ]
+
+    @property
+    def max_recv_rows(self) -> int:
+        """Rows of the batch in sync_free mode: every received (row, local expert) pair could be valid."""
+        return self.world_size * self.capacity * min(self.cfg.top_k, self.num_local_experts)
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
+        """See Dispatcher.dispatch. Validation reads the id range on the host unless a CUDA graph is
+        being captured; then one more host sync sizes the batch unless sync_free."""
+        return self.dispatch_recv(self.dispatch_send(x_TD, ids_TK, weights_TK))
+
+    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        """See Dispatcher.combine. No host sync."""
+        return self.combine_recv(self.combine_send(y, batch))
+
+    def dispatch_send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> HtDispatchPending:
+        """Validate, then store this rank's rows into every destination's receive region and signal.
+
+        Inputs as in Dispatcher.dispatch, T <= cfg.max_tokens_per_rank. Returns immediately (no wait).
+        """
+        if _capturing():
+            self._check_shapes(x_TD, ids_TK, weights_TK)
+        else:
+            check_tokens(self.cfg, x_TD, ids_TK, weights_TK)  # host sync: id range
+        if x_TD.device != self.device:
+            raise ValueError(f"x_TD is on {x_TD.device}, the dispatcher's buffers on {self.device}")
+        if x_TD.shape[0] > self.capacity:
+            raise ValueError(f"{x_TD.shape[0]} tokens exceed cfg.max_tokens_per_rank={self.capacity}")
+        return self._dispatch_send(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+
+    def dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
+        """Wait (on the device) for every rank's rows, then build the expert-sorted batch.
+
+        One host sync (the number of valid rows) unless sync_free.
+        """
+        return self._dispatch_recv(pending)
+
+    def combine_send(self, y: torch.Tensor, batch: ExpertBatch) -> HtCombinePending:
+        """Store each received row's weighted local result into its source rank's combine region."""
+        if y.shape != batch.x.shape:
+            raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.x.shape)}")
+        if y.dtype != self.cfg.dtype:
+            raise ValueError(f"expert output dtype {y.dtype} does not match cfg.dtype {self.cfg.dtype}")
+        if not isinstance(batch.handle, HtHandle):
+            raise ValueError("batch was not produced by an 'ht' dispatcher")
+        return self._combine_send(y.contiguous(), batch)
+
+    def combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
+        """Wait (on the device) for every rank's partial rows; out_TD [T, D] cfg.dtype, fp32 sums."""
+        return self._combine_recv(pending)
+
+    # -- phases -----------------------------------------------------------------------------------
+
+    def _check_shapes(self, x_TD, ids_TK, weights_TK) -> None:
+        D, K = self.cfg.hidden_size, self.cfg.top_k
+        if x_TD.dim() != 2 or x_TD.shape[1] != D or x_TD.dtype != self.cfg.dtype:
+            raise ValueError(f"x_TD must be [T, D={D}] {self.cfg.dtype}, got {tuple(x_TD.shape)} {x_TD.dtype}")
+        for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
+            if t.shape != (x_TD.shape[0], K):
+                raise ValueError(f"{name} must be [T={x_TD.shape[0]}, K={K}], got {tuple(t.shape)}")
+
+    def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
+        R, L = self.world_size, self.num_local_experts
+        T = x_TD.shape[0]
+        ids = ids_TK.long()
+        dest_TK = torch.where(ids >= 0, ids // L, R)
+        wants_TR = torch.zeros(T, R + 1, dtype=torch.int32, device=x_TD.device).scatter_(1, dest_TK, 1)[:, :R]
+        slot_TR = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
+        counts_R = wants_TR.sum(0, dtype=torch.int32)
+        seq = self.ws.local("dispatch_seq")
+        seq.add_(1)  # this call's epoch, on the device (graph-replayable)
+        peers = {name: self.ws.peers(name) for name in self.ws.specs}
+        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR.contiguous(), counts_R, seq, peers, self.rank,
+                              self.capacity, L, self.fp8, self.launch)
+        return HtDispatchPending(slot_TR=slot_TR, num_tokens=T)
+
+    def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
+        self._dispatch_wait()
+        return self._expert_batch(pending)
+
+    def _dispatch_wait(self) -> None:
+        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch)
+
+    def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
+        """The received rows, sorted by local expert (source rank, slot, k within an expert)."""
+        R, C, L, K, D = self.world_size, self.capacity, self.num_local_experts, self.cfg.top_k, self.cfg.hidden_size
+        P = R * C
+        parity_1 = (self.ws.local("dispatch_seq") % 2).long()
+        recv_counts_R = self.ws.local("recv_count").index_select(0, parity_1).view(R)
+        ids_PK = self.ws.local("recv_ids").view(2, P, K).index_select(0, parity_1).view(P, K)
+        weights_PK = self.ws.local("recv_w").view(2, P, K).index_select(0, parity_1).view(P, K)
+        valid_P = (torch.arange(C, device=self.device).unsqueeze(0) < recv_counts_R.unsqueeze(1)).view(P)
+        key_N = torch.where(valid_P.unsqueeze(1) & (ids_PK >= 0), ids_PK, L).view(-1).long()
+        pair_N = torch.argsort(key_N, stable=True)
+        counts_L = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
+        counts_L.scatter_add_(0, key_N, torch.ones_like(key_N, dtype=torch.int32))
+        counts_L = counts_L[:L]
+        offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(counts_L, 0, out=offsets_L1[1:])
+        pos_N = torch.empty_like(pair_N, dtype=torch.int32)
+        pos_N.scatter_(0, pair_N, torch.arange(P * K, dtype=torch.int32, device=self.device))
+        pos_PK = torch.where(key_N < L, pos_N, -1).view(P, K)
+        n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
+        rows_N = pair_N[:n] // K + parity_1 * P
+        x = self.ws.local("recv_x").view(2 * P, D).index_select(0, rows_N)
+        x_scale = None
+        if self.fp8:
+            x_scale = self.ws.local("recv_scale").view(2 * P, -1).index_select(0, rows_N)
+        handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
+                          recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=x_scale, counts_L=counts_L,
+                           offsets_L1=offsets_L1, handle=handle)
+
+    def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
+        h: HtHandle = batch.handle
+        seq = self.ws.local("combine_seq")
+        seq.add_(1)
+        kernels.combine_send(y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, seq, self.ws.peers("comb"),
+                             self.ws.peers("combine_flag"), self.rank, self.capacity, self.launch)
+        return HtCombinePending(slot_TR=h.slot_TR, num_tokens=h.num_tokens)
+
+    def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
+        seq = self.ws.local("combine_seq")
+        kernels.wait_flags(self.ws.local("combine_flag"), seq, self.launch)
+        return kernels.combine_reduce(self.ws.local("comb"), pending.slot_TR, seq, self.launch)
+
+    def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:
+        return self._dispatch_recv(self._dispatch_send(x_TD, ids_TK, weights_TK))
+
+    def _combine(self, y, batch) -> torch.Tensor:
+        return self._combine_recv(self._combine_send(y, batch))

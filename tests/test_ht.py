@@ -1,0 +1,364 @@
+"""Tests of the `ht` dispatcher.
+
+CPU: several ranks emulated in one process (EmulatedGroup), Triton under TRITON_INTERPRET=1, phases run
+rank by rank (every rank's send, then every rank's receive). Inputs are checkable exactly: each row
+encodes its source rank and token, weights are powers of two, the "experts" multiply by (global id + 1).
+GPU (2 devices): the same exact checks across processes, random data against `alltoall`, a CUDA graph.
+
+Shape letters: T tokens, D hidden size, K top-k, E experts, L local experts, R ranks, N batch rows.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Before epmoe's kernels are defined: interpret Triton on CPU-only machines. With CUDA, the emulated-rank
+# tests run the compiled kernels on one GPU, and the multi-GPU tests run too.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+from epmoe.config import MoEConfig
+from epmoe.quant import dequantize_act_ref, quantize_act_ref
+from epmoe.registry import list_dispatchers
+from epmoe.symm import EmulatedGroup
+
+_INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+_EMU_DEVICE = "cpu" if _INTERPRET else "cuda"  # where emulated ranks keep their buffers
+# The interpreter's fp32 -> bf16/fp16 cast rounds ties down (the GPU rounds to nearest even): combine
+# results may then differ from the exact expectation by one ulp of each partial and of the sum.
+_COMBINE_TOL = dict(rtol=2 ** -7, atol=0) if _INTERPRET else dict(rtol=0, atol=0)
+
+
+def _cfg(E=8, K=2, D=64, C=8, dtype=torch.bfloat16, quant=None) -> MoEConfig:
+    return MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=16, dtype=dtype, quant=quant,
+                     max_tokens_per_rank=C)
+
+
+# -- inputs and the exact expected results ----------------------------------------------------------
+
+def exact_inputs(cfg: MoEConfig, rank: int, T: int, routing: str, seed: int, device="cpu"):
+    """x_TD rows: col 0 = rank + 1, col 1 = token + 1, the rest +-powers of two; weights 2^-j."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
+    sign = torch.randint(0, 2, (T, D), generator=g) * 2 - 1
+    x = sign * torch.exp2(torch.randint(-2, 3, (T, D), generator=g).float())
+    if T:
+        x[:, 0] = rank + 1
+        x[:, 1] = torch.arange(T) + 1
+    if routing == "one_expert":
+        ids = torch.full((T, K), -1, dtype=torch.int64)
+        ids[:, 0] = E - 1
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+            torch.empty(0, K, dtype=torch.int64)
+        if routing == "holes" and T:
+            ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    w = torch.exp2(-torch.randint(0, 4, (T, K), generator=g).float())
+    return x.to(cfg.dtype).to(device), ids.to(device), w.to(device)
+
+
+def expected_batch_rows(cfg: MoEConfig, R: int, dest: int, inputs) -> tuple[list[torch.Tensor], list[int]]:
+    """Rows dest's experts get, in batch order (expert, source rank, token, slot), and per-expert counts."""
+    L = cfg.num_experts // R
+    rows, counts = [], []
+    for lid in range(L):
+        n = 0
+        for (x, ids, _) in inputs:
+            for t in range(x.shape[0]):
+                for k in range(cfg.top_k):
+                    if int(ids[t, k]) == dest * L + lid:
+                        rows.append(x[t].cpu())
+                        n += 1
+        counts.append(n)
+    return rows, counts
+
+
+def fp8_exact_rows(T: int, D: int, seed: int) -> torch.Tensor:
+    """bf16 rows that block quantization maps exactly: e4m3 values times 2^j per 128-column group, each
+    group holding +-448, so the scale is 2^j and x / scale needs no rounding. (The interpreter's fp8
+    cast rounds values just under a power of two down a binade, so inexact inputs are tested on GPU.)"""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (T, D), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    q = torch.where(q.isnan(), 0.0, q)
+    q[:, ::128] = 448.0 * (torch.randint(0, 2, (T, 1), generator=g) * 2 - 1)
+    j = torch.arange(D) // 128
+    return (q * torch.exp2((j % 5 - 2).float())).to(torch.bfloat16)
+
+
+def assert_fp8_close(q: torch.Tensor, q_ref: torch.Tensor) -> None:
+    """fp8 values equal to the torch reference's but for rare rounding ties (the interpreter's casts) or
+    an ulp of fp32 division (the GPU's): those may differ by one fp8 step."""
+    a, b = q.float(), q_ref.float()
+    assert int((a != b).sum()) <= 0.02 * a.numel(), f"{int((a != b).sum())} of {a.numel()} fp8 values differ"
+    torch.testing.assert_close(a, b, rtol=0.13, atol=2 ** -9)
+
+
+def expert_fn(batch, cfg: MoEConfig, rank: int, L: int) -> torch.Tensor:
+    """The test's experts: y = x * (global expert id + 1) over the valid rows, fp32 -> cfg.dtype."""
+    x = batch.x.float() if batch.x_scale is None else dequantize_act_ref(batch.x, batch.x_scale)
+    mult = torch.zeros(x.shape[0], device=x.device)
+    offs = batch.offsets_L1.tolist()
+    for lid in range(L):
+        mult[offs[lid]:offs[lid + 1]] = rank * L + lid + 1
+    return (x * mult.unsqueeze(1)).to(cfg.dtype)
+
+
+def expected_combine(cfg: MoEConfig, R: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     rowfn=lambda x: x.float()) -> torch.Tensor:
+    """out[t] = dtype(sum_r dtype(sum_{k on rank r} w * dtype(row(x) * (id + 1)))) in float64."""
+    L = cfg.num_experts // R
+    x, ids, w = x.cpu(), ids.cpu(), w.cpu()
+    T, D = x.shape
+    out = torch.zeros(T, D, dtype=torch.float64)
+    xr = rowfn(x)
+    for t in range(T):
+        for r in range(R):
+            part = torch.zeros(D, dtype=torch.float64)
+            for k in range(cfg.top_k):
+                e = int(ids[t, k])
+                if e >= 0 and e // L == r:
+                    part += float(w[t, k]) * (xr[t] * (e + 1)).to(cfg.dtype).double()
+            out[t] += part.to(cfg.dtype).double()
+    return out.to(cfg.dtype)
+
+
+# -- emulated ranks ---------------------------------------------------------------------------------
+
+def make_world(cfg: MoEConfig, R: int, **options):
+    from epmoe.dispatch.ht import HtDispatcher
+    return [HtDispatcher(cfg, g, device=_EMU_DEVICE, **options) for g in EmulatedGroup.world(R)]
+
+
+def emulate_dispatch(dispatchers, inputs):
+    pending = [d.dispatch_send(*inp) for d, inp in zip(dispatchers, inputs)]
+    return [d.dispatch_recv(p) for d, p in zip(dispatchers, pending)]
+
+
+def emulate_combine(dispatchers, ys, batches):
+    pending = [d.combine_send(y, b) for d, y, b in zip(dispatchers, ys, batches)]
+    return [d.combine_recv(p) for d, p in zip(dispatchers, pending)]
+
+
+def check_round_trip(cfg, dispatchers, inputs):
+    R = len(dispatchers)
+    L = cfg.num_experts // R
+    batches = emulate_dispatch(dispatchers, inputs)
+    for d, b in enumerate(batches):
+        rows, counts = expected_batch_rows(cfg, R, d, inputs)
+        assert b.counts_L.tolist() == counts
+        assert b.offsets_L1.tolist() == [sum(counts[:i]) for i in range(L + 1)]
+        n = sum(counts)
+        if dispatchers[d].sync_free:
+            assert b.x.shape[0] == dispatchers[d].max_recv_rows
+        else:
+            assert b.x.shape[0] == n
+        want = torch.stack(rows) if rows else torch.empty(0, cfg.hidden_size, dtype=cfg.dtype)
+        if cfg.quant is None:
+            assert torch.equal(b.x[:n].cpu(), want)
+            assert b.x_scale is None
+        else:
+            q_ref, s_ref = quantize_act_ref(want)
+            assert b.x.dtype == torch.float8_e4m3fn and b.x_scale.dtype == torch.float32
+            assert b.x_scale.shape == (b.x.shape[0], -(-cfg.hidden_size // 128))
+            torch.testing.assert_close(b.x_scale[:n].cpu(), s_ref, rtol=1e-6, atol=0)
+            assert_fp8_close(b.x[:n].cpu(), q_ref)
+    ys = [expert_fn(b, cfg, r, L) for r, b in enumerate(batches)]
+    outs = emulate_combine(dispatchers, ys, batches)
+    rowfn = (lambda x: x.float()) if cfg.quant is None else (lambda x: dequantize_act_ref(*quantize_act_ref(x)))
+    for r, (x, ids, w) in enumerate(inputs):
+        assert outs[r].shape == x.shape and outs[r].dtype == cfg.dtype
+        tol = dict(rtol=0, atol=0) if cfg.dtype == torch.float32 else _COMBINE_TOL
+        torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, R, x, ids, w, rowfn), **tol)
+
+
+# -- CPU tests (emulated) ---------------------------------------------------------------------------
+
+CASES = [  # (R, E, K, D, tokens per rank, routing)
+    (2, 4, 2, 64, [5, 3], "random"),
+    (2, 8, 8, 72, [4, 0], "random"),  # K == E, odd D, 0 tokens on a rank
+    (3, 6, 3, 40, [3, 1, 4], "holes"),  # world 3, -1 ids
+    (4, 8, 2, 64, [2, 0, 3, 1], "one_expert"),  # all tokens to one expert
+    (4, 4, 1, 16, [1, 1, 0, 2], "random"),  # L = 1, D*2 = 32 bytes
+]
+
+
+@pytest.mark.parametrize("R,E,K,D,Ts,routing", CASES)
+def test_round_trip_exact(R, E, K, D, Ts, routing):
+    cfg = _cfg(E=E, K=K, D=D)
+    dispatchers = make_world(cfg, R)
+    check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, routing, seed=1, device=_EMU_DEVICE)
+                                        for r, T in enumerate(Ts)])
+
+
+@pytest.mark.parametrize("R,D,routing", [(2, 208, "holes"), (3, 128, "random")])
+def test_fp8_dispatch_matches_torch_quant(R, D, routing):
+    cfg = _cfg(E=6, K=2, D=D, quant="fp8_block")
+    dispatchers = make_world(cfg, R)
+    inputs = []
+    for r in range(R):
+        x, ids, w = exact_inputs(cfg, r, 3, routing, seed=2, device=_EMU_DEVICE)
+        inputs.append((fp8_exact_rows(x.shape[0], D, seed=r).to(_EMU_DEVICE), ids, w))
+    check_round_trip(cfg, dispatchers, inputs)
+
+
+def test_back_to_back_calls_and_sync_free():
+    """Several calls reuse the buffers (both parities, epochs advance); sync_free pads to the worst case."""
+    cfg = _cfg(E=4, K=2, D=32, C=4)
+    for options in ({}, {"sync_free": True}):
+        dispatchers = make_world(cfg, 2, **options)
+        for call in range(3):
+            Ts = [(call + 1) % 5, 4 - call]
+            inputs = [exact_inputs(cfg, r, T, "holes", seed=10 + call, device=_EMU_DEVICE) for r, T in enumerate(Ts)]
+            check_round_trip(cfg, dispatchers, inputs)
+
+
+def test_float32_dtype():
+    cfg = _cfg(E=4, K=3, D=12, dtype=torch.float32)
+    check_round_trip(cfg, make_world(cfg, 2), [exact_inputs(cfg, r, 3, "random", seed=3, device=_EMU_DEVICE)
+                                               for r in range(2)])
+
+
+def test_refuses_bad_input():
+    from epmoe.dispatch.ht import HtDispatcher
+    cfg = _cfg(D=12)  # 24-byte bf16 rows
+    groups = EmulatedGroup.world(2)
+    assert not HtDispatcher.availability(cfg, groups[0])[0]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        HtDispatcher(cfg, groups[0], device=_EMU_DEVICE)
+    with pytest.raises(ValueError, match="fp8 rows"):
+        HtDispatcher(_cfg(D=72, quant="fp8_block"), groups[0], device=_EMU_DEVICE)  # 72 fp8 bytes
+    cfg = _cfg(E=6)
+    with pytest.raises(ValueError, match="divisible"):
+        HtDispatcher(cfg, EmulatedGroup.world(4)[0], device=_EMU_DEVICE)
+    cfg = _cfg(C=2)
+    d = make_world(cfg, 2)[0]
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        d.dispatch_send(*exact_inputs(cfg, 0, 3, "random", seed=0, device=_EMU_DEVICE))
+    with pytest.raises(ValueError, match="outside"):
+        x, ids, w = exact_inputs(cfg, 0, 2, "random", seed=0, device=_EMU_DEVICE)
+        d.dispatch_send(x, ids + cfg.num_experts, w)
+
+
+def test_registry_lists_ht():
+    cfg = _cfg()
+    assert "ht" in list_dispatchers(cfg, None)
+    assert not list_dispatchers(cfg, None)["ht"][0]
+    from epmoe.dispatch.ht import HtDispatcher
+    assert HtDispatcher.availability(cfg, EmulatedGroup.world(2)[0]) == (True, "ok")
+
+
+# -- GPU tests (2 devices, real symmetric memory) ---------------------------------------------------
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and not _INTERPRET
+
+
+gpu2 = pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs and TRITON_INTERPRET=0")
+
+
+_GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens per rank, routing)
+    (8, 3, 256, 256, [37, 0], "holes"), (16, 8, 7168, 7168, [64, 129], "random"),
+    (4, 4, 72, 208, [5, 9], "one_expert")]
+
+
+def _gpu_exact(ctx, quant, sync_free, calls):
+    from epmoe.dispatch.ht import HtDispatcher
+    R = ctx.world_size
+    for E, K, D_bf16, D_fp8, Ts, routing in _GPU_EXACT_CASES:
+        D = D_fp8 if quant else D_bf16
+        cfg = _cfg(E=E, K=K, D=D, C=max(Ts) + 3, quant=quant)
+        d = HtDispatcher(cfg, ctx.group, sync_free=sync_free)
+        L = cfg.num_experts // R
+        for call in range(calls):
+            inputs = [exact_inputs(cfg, r, T, routing, seed=20 + call) for r, T in enumerate(Ts)]
+            x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
+            b = d.dispatch(x, ids, w)
+            rows, counts = expected_batch_rows(cfg, R, ctx.rank, inputs)
+            assert b.counts_L.tolist() == counts
+            n = sum(counts)
+            assert b.x.shape[0] == (d.max_recv_rows if sync_free else n)
+            want = torch.stack(rows) if rows else torch.empty(0, D, dtype=cfg.dtype)
+            if quant is None:
+                assert torch.equal(b.x[:n].cpu(), want)
+            else:
+                q_ref, s_ref = quantize_act_ref(want)
+                torch.testing.assert_close(b.x_scale[:n].cpu(), s_ref, rtol=1e-6, atol=0)
+                assert_fp8_close(b.x[:n].cpu(), q_ref)
+            out = d.combine(expert_fn(b, cfg, ctx.rank, L), b)
+            if quant is None:
+                expected, tol = expected_combine(cfg, R, *inputs[ctx.rank]), dict(rtol=0, atol=0)
+            else:  # the rows are rounded to fp8 on the way (ties may differ by an fp8 step): tolerance
+                rowfn = lambda x: dequantize_act_ref(*quantize_act_ref(x))  # noqa: E731
+                expected, tol = expected_combine(cfg, R, *inputs[ctx.rank], rowfn), dict(rtol=0.13, atol=0.05)
+            torch.testing.assert_close(out.cpu(), expected, **tol)
+    return True
+
+
+@gpu2
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8_block"])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_gpu_exact(quant, sync_free):
+    from epmoe.launch import spawn
+    assert all(spawn(_gpu_exact, 2, "cuda", (quant, sync_free, 3)))
+
+
+def _gpu_vs_alltoall(ctx, T, D, E, K, calls):
+    from epmoe.dispatch.alltoall import AllToAllDispatcher
+    from epmoe.dispatch.ht import HtDispatcher
+    cfg = _cfg(E=E, K=K, D=D, C=T)
+    ht, a2a = HtDispatcher(cfg, ctx.group), AllToAllDispatcher(cfg, ctx.group)
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.rank + 7)
+    for _ in range(calls):
+        x = torch.randn(T, D, device=ctx.device, generator=g).to(cfg.dtype)
+        ids = torch.rand(T, E, device=ctx.device, generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, device=ctx.device, generator=g)
+        b1, b2 = ht.dispatch(x, ids, w), a2a.dispatch(x, ids, w)
+        assert torch.equal(b1.counts_L, b2.counts_L) and torch.equal(b1.x, b2.x)
+        y = torch.randn(b1.x.shape, device=ctx.device, generator=g).to(cfg.dtype)
+        torch.testing.assert_close(ht.combine(y, b1), a2a.combine(y, b2), rtol=1.6e-2, atol=1e-2)
+    return True
+
+
+@gpu2
+@pytest.mark.gpu
+def test_gpu_random_matches_alltoall():
+    from epmoe.launch import spawn
+    assert all(spawn(_gpu_vs_alltoall, 2, "cuda", (1024, 7168, 256, 8, 4)))
+    assert all(spawn(_gpu_vs_alltoall, 2, "cuda", (333, 2048, 16, 3, 3)))
+
+
+def _gpu_graph(ctx, T, D, E, K):
+    from epmoe.dispatch.ht import HtDispatcher
+    cfg = _cfg(E=E, K=K, D=D, C=T)
+    d = HtDispatcher(cfg, ctx.group, sync_free=True)
+    L = E // ctx.world_size
+    x = torch.randn(T, D, device=ctx.device).to(cfg.dtype)
+    ids = torch.rand(T, E, device=ctx.device).topk(K, dim=1).indices
+    w = torch.rand(T, K, device=ctx.device)
+
+    def step():
+        b = d.dispatch(x, ids, w)
+        mult = torch.searchsorted(b.offsets_L1[1:].long(), torch.arange(b.x.shape[0], device=ctx.device),
+                                  right=True) + ctx.rank * L + 1
+        return d.combine((b.x.float() * mult.unsqueeze(1)).to(cfg.dtype), b)
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        ids.copy_(torch.rand(T, E, device=ctx.device).topk(K, dim=1).indices)
+        graph.replay()
+        torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    return eager.shape == (T, D)
+
+
+@gpu2
+@pytest.mark.gpu
+def test_gpu_cuda_graph_sync_free():
+    from epmoe.launch import spawn
+    assert all(spawn(_gpu_graph, 2, "cuda", (256, 1024, 16, 4)))
