@@ -60,6 +60,8 @@ class FusedMoE(torch.nn.Module):
         self.cfg = cfg
         self.group = group
         self.device = default_device() if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.dispatcher = make_dispatcher(dispatcher, cfg, group)

@@ -101,7 +101,7 @@ class HtDispatcher(Dispatcher):
             if world > torch.cuda.device_count():
                 return False, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
             try:
-                import torch.distributed._symmetric_memory  # noqa: F401
+                from torch.distributed import _symmetric_memory  # noqa: F401
             except ImportError:
                 return False, "torch.distributed._symmetric_memory is not available"
         else:
