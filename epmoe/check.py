@@ -76,6 +76,9 @@ def check_rank(ctx: RankContext, seed: int) -> int:
     """Run every case on this rank; rank 0 prints the rows. Returns 1 if any row failed."""
     dev, group = ctx.device, ctx.group
     rows, skipped = [], {}
+    if ctx.rank == 0:
+        print(f"epmoe check: {ctx.world_size} ranks on {dev.type}; relative L2 error vs the single-rank "
+              "reference (local dispatcher + reference experts); rows as they finish:", flush=True)
     for case in CASES:
         for prec in PRECISIONS:
             cfg = dataclasses.replace(case.cfg, **prec)
@@ -97,9 +100,9 @@ def check_rank(ctx: RankContext, seed: int) -> int:
                 rows.append([case.name, precision(cfg), d_name, e_name,
                              f"{err:.2e}" if err < float("inf") else "-", f"{tolerance(cfg):.0e}",
                              "PASS" if ok else "FAIL", note])
+                if ctx.rank == 0:
+                    print("  " + " ".join(rows[-1][:7]), flush=True)
     if ctx.rank == 0:
-        print(f"epmoe check: {ctx.world_size} ranks on {dev.type}; relative L2 error vs the single-rank "
-              "reference (local dispatcher + reference experts)")
         for (d_name, e_name, reason), where in skipped.items():
             print(f"skipped: dispatcher {d_name}, experts {e_name}: {reason} ({len(where)} case/precision pairs)")
         print(format_table(["case", "precision", "dispatcher", "experts", "rel err", "tol", "result", "error"],

@@ -65,7 +65,8 @@ class FusedMoE(torch.nn.Module):
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.dispatcher = make_dispatcher(dispatcher, cfg, group)
-        self.experts = make_experts(experts, cfg, self.num_local_experts, self.device)
+        self.experts = make_experts(experts, cfg, self.num_local_experts, self.device,
+                                    self.dispatcher.layout, self.world_size)
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
 

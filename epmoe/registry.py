@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
-from .interfaces import Dispatcher, Experts
+from .interfaces import Dispatcher, Experts, Layout
 
 _DISPATCHERS = {
     "local": "epmoe.dispatch.local:LocalDispatcher",
@@ -29,16 +29,30 @@ _EXPERTS = {
 _AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 
 
-def auto_experts_order(cfg: MoEConfig, device: torch.device) -> tuple[str, ...]:
-    """The experts names "auto" tries, best first, for this config on `device` (a pure function).
+# Rows per expert from which torch._grouped_mm's bf16 GEMMs beat the Triton kernels by more than 10% on an
+# H200 (`epmoe bench experts`, 2026-11-29: 0.86-0.88x at 512+ rows, 0.94-0.96x at 128-256, 1.2-1.4x below).
+GROUPED_MM_FROM_ROWS = 512
 
-    CPU: the reference (the Triton interpreter is for tests, not speed). CUDA: the Triton kernels, which
-    cover both layouts and fp8; torch._grouped_mm next (contiguous bf16 only). To be refined by shape
-    from the H200 measurements of `epmoe bench experts`.
+
+def expected_rows_per_expert(cfg: MoEConfig, world_size: int) -> int:
+    """Rows each local expert gets when every rank sends max_tokens_per_rank uniformly routed tokens."""
+    return cfg.max_tokens_per_rank * cfg.top_k * world_size // cfg.num_experts
+
+
+def auto_experts_order(cfg: MoEConfig, device: torch.device, layout: Layout | None = None,
+                       world_size: int = 1) -> tuple[str, ...]:
+    """The experts names "auto" tries, best first (a pure function of config, device and layout).
+
+    CPU: the reference (the Triton interpreter is for tests, not speed). CUDA: the Triton kernels (both
+    layouts, fp8), except for unquantized contiguous batches large enough that torch._grouped_mm is
+    faster (GROUPED_MM_FROM_ROWS); candidates that do not take `layout` are dropped by the caller.
     """
-    if device.type == "cuda":
-        return ("triton", "grouped_mm", "reference")
-    return ("reference",)
+    if device.type != "cuda":
+        return ("reference",)
+    if (cfg.quant is None and layout in (None, Layout.CONTIGUOUS)
+            and expected_rows_per_expert(cfg, world_size) >= GROUPED_MM_FROM_ROWS):
+        return ("grouped_mm", "triton", "reference")
+    return ("triton", "grouped_mm", "reference")
 
 
 def _load(path: str):
@@ -89,12 +103,14 @@ def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | Non
     return name
 
 
-def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None) -> str:
+def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None,
+                    layout: Layout | None = None, world_size: int = 1) -> str:
+    """Map "auto" to the best available name that takes `layout` (any if None); refuse an unavailable name."""
     table = list_experts(cfg, device)
     if name == "auto":
         device = default_device() if device is None else torch.device(device)
-        for candidate in auto_experts_order(cfg, device):
-            if table[candidate][0]:
+        for candidate in auto_experts_order(cfg, device, layout, world_size):
+            if table[candidate][0] and (layout is None or layout in experts_class(candidate).layouts):
                 return candidate
         raise ValueError(f"no experts implementation is available: {table}")
     if name not in table:
@@ -112,6 +128,8 @@ def make_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None =
     return dispatcher_class(resolve_dispatcher(name, cfg, group))(cfg, group, **options)
 
 
-def make_experts(name: str, cfg: MoEConfig, num_local_experts: int, device) -> Experts:
-    """Build experts implementation `name` ("auto" picks one) holding `num_local_experts` experts."""
-    return experts_class(resolve_experts(name, cfg, device))(cfg, num_local_experts, device)
+def make_experts(name: str, cfg: MoEConfig, num_local_experts: int, device, layout: Layout | None = None,
+                 world_size: int = 1) -> Experts:
+    """Build experts implementation `name` ("auto" picks one for `layout` and world size) holding
+    `num_local_experts` experts."""
+    return experts_class(resolve_experts(name, cfg, device, layout, world_size))(cfg, num_local_experts, device)

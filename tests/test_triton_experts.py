@@ -26,7 +26,7 @@ from epmoe.kernels.configs import GemmConfig, gemm_config  # noqa: E402
 from epmoe.kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref  # noqa: E402
 from epmoe.kernels.quant import quantize_act  # noqa: E402
 from epmoe.quant import dequantize_act_ref, quantize_act_ref, quantize_weight_ref  # noqa: E402
-from epmoe.registry import list_experts, resolve_experts  # noqa: E402
+from epmoe.registry import auto_experts_order, list_experts, resolve_experts  # noqa: E402
 
 # Padding rows (outside every expert) of kernel intermediates are uninitialized memory; the interpreter's
 # numpy math warns on them, though their results are never stored.
@@ -236,7 +236,8 @@ def test_registry_lists_and_auto_choice():
     table = list_experts(cfg, DEVICE)
     assert {"reference", "triton", "grouped_mm"} <= set(table)
     assert table["triton"][0]
-    assert resolve_experts("auto", cfg, DEVICE) == ("triton" if DEVICE.type == "cuda" else "reference")
+    small = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32, max_tokens_per_rank=64)
+    assert resolve_experts("auto", small, DEVICE) == ("triton" if DEVICE.type == "cuda" else "reference")
     odd = MoEConfig(num_experts=4, top_k=2, hidden_size=60, intermediate_size=32)
     assert not list_experts(odd, DEVICE)["grouped_mm"][0]
     assert not list_experts(MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32,
@@ -332,3 +333,17 @@ def test_bench_floor_and_table_format(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bench.main(["--out", str(tmp_path)])
+
+
+def test_auto_experts_order_by_shape_and_layout():
+    cuda = torch.device("cuda")
+    big = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=8192)
+    decode = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=128)
+    assert auto_experts_order(big, cuda, Layout.CONTIGUOUS, 2)[0] == "grouped_mm"  # 512 rows per expert
+    assert auto_experts_order(big, cuda, Layout.CONTIGUOUS, 1)[0] == "triton"  # 256 rows per expert
+    assert auto_experts_order(big, cuda, Layout.BATCHED, 2)[0] == "triton"
+    assert auto_experts_order(decode, cuda, Layout.CONTIGUOUS, 8)[0] == "triton"
+    fp8 = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=8192,
+                    quant="fp8_block")
+    assert auto_experts_order(fp8, cuda, Layout.CONTIGUOUS, 8)[0] == "triton"
+    assert auto_experts_order(big, torch.device("cpu"), Layout.CONTIGUOUS, 2) == ("reference",)
