@@ -13,7 +13,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -14,8 +14,8 @@ import torch
 
 from ._table import format_table
 from .launch import RankContext
-from .testing import (LayerSpec, build_layer, describe, make_tokens, make_weights, max_over_ranks, median_ms,
-                      plan, rank_rows, reference_layer, rel_error, tolerance)
+from .testing import (LayerSpec, build_layer, describe, max_over_ranks, median_ms, plan, rank_inputs,
+                      reference_layer, rel_error, tolerance)
 
 
 def _free(device: torch.device) -> None:
@@ -26,13 +26,9 @@ def _free(device: torch.device) -> None:
 
 def demo_rank(ctx: RankContext, spec: LayerSpec, repeats: int) -> int:
     """Run the demo on one rank; returns the exit code (1 if any pair misses its tolerance or fails)."""
-    cfg, dev, group = spec.config(), ctx.device, ctx.group
-    tokens = [spec.tokens_per_rank] * ctx.world_size
-    weights = make_weights(cfg, spec.seed, dev)
-    x_all, logits_all = make_tokens(cfg, spec.seed, tokens, dev)
-    rows = rank_rows(tokens, ctx.rank)
-    x_TD, logits_TE = x_all[rows].contiguous(), logits_all[rows].contiguous()
-    del x_all, logits_all
+    dev, group = ctx.device, ctx.group
+    inputs = rank_inputs(spec, ctx.rank, ctx.world_size, dev)
+    cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     bias_E = weights.correction_bias_E
 
     ref_moe = reference_layer(cfg, weights, dev)

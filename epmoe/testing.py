@@ -241,6 +241,26 @@ GPU_SPEC = LayerSpec(num_experts=256, top_k=8, hidden_size=7168, intermediate_si
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+@dataclass(frozen=True)
+class RankInputs:
+    """One rank's share of a LayerSpec run: the config, the global weights and this rank's tokens."""
+
+    cfg: MoEConfig
+    weights: LayerWeights
+    x_TD: torch.Tensor
+    logits_TE: torch.Tensor
+
+
+def rank_inputs(spec: LayerSpec, rank: int, world_size: int, device: torch.device) -> RankInputs:
+    """Build `spec`'s weights and rank `rank`'s tokens (every rank draws the same global batch)."""
+    cfg = spec.config()
+    tokens = [spec.tokens_per_rank] * world_size
+    weights = make_weights(cfg, spec.seed, device)
+    x_all, logits_all = make_tokens(cfg, spec.seed, tokens, device)
+    rows = rank_rows(tokens, rank)
+    return RankInputs(cfg, weights, x_all[rows].contiguous(), logits_all[rows].contiguous())
+
+
 def add_layer_arguments(parser) -> None:
     """Options of LayerSpec for an argparse parser (defaults: CPU_SPEC on cpu, GPU_SPEC on cuda)."""
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")

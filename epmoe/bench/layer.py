@@ -24,19 +24,15 @@ import torch
 
 from .._table import format_table
 from ..launch import RankContext
-from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, make_tokens,
-                       make_weights, max_over_ranks, median_ms, plan, rank_rows, rel_error)
+from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, max_over_ranks,
+                       median_ms, plan, rank_inputs, rel_error)
 
 
 def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
                 out_dir: str | None) -> int:
-    cfg, dev, group = spec.config(), ctx.device, ctx.group
-    tokens = [spec.tokens_per_rank] * ctx.world_size
-    weights = make_weights(cfg, spec.seed, dev)
-    x_all, logits_all = make_tokens(cfg, spec.seed, tokens, dev)
-    rows = rank_rows(tokens, ctx.rank)
-    x_TD, logits_TE = x_all[rows].contiguous(), logits_all[rows].contiguous()
-    del x_all, logits_all
+    dev, group = ctx.device, ctx.group
+    inputs = rank_inputs(spec, ctx.rank, ctx.world_size, dev)
+    cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     bias_E = weights.correction_bias_E
 
     def timed(moe) -> float:
