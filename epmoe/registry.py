@@ -88,36 +88,32 @@ def list_experts(cfg: MoEConfig, device: torch.device | str | None = None) -> di
     return {name: experts_class(name).availability(cfg, device) for name in _EXPERTS}
 
 
-def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None) -> str:
-    """Map "auto" to a concrete available name; refuse an unavailable explicit name."""
-    table = list_dispatchers(cfg, group)
+def _resolve(kind: str, name: str, table: dict[str, tuple[bool, str]], auto_order: tuple[str, ...]) -> str:
+    """Map "auto" to the first available name of `auto_order`; refuse an unknown or unavailable name."""
     if name == "auto":
-        for candidate in _AUTO_DISPATCH_ORDER:
+        for candidate in auto_order:
             if table[candidate][0]:
                 return candidate
-        raise ValueError(f"no dispatcher is available: {table}")
+        raise ValueError(f"no {kind} is available: {table}")
     if name not in table:
-        raise ValueError(f"unknown dispatcher {name!r}; known: {sorted(table)} or 'auto'")
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(table)} or 'auto'")
     if not table[name][0]:
-        raise ValueError(f"dispatcher {name!r} is not available: {table[name][1]}")
+        raise ValueError(f"{kind} {name!r} is not available: {table[name][1]}")
     return name
+
+
+def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None) -> str:
+    """Map "auto" to a concrete available name; refuse an unavailable explicit name."""
+    return _resolve("dispatcher", name, list_dispatchers(cfg, group), _AUTO_DISPATCH_ORDER)
 
 
 def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None,
                     layout: Layout | None = None, world_size: int = 1) -> str:
     """Map "auto" to the best available name that takes `layout` (any if None); refuse an unavailable name."""
-    table = list_experts(cfg, device)
-    if name == "auto":
-        device = default_device() if device is None else torch.device(device)
-        for candidate in auto_experts_order(cfg, device, layout, world_size):
-            if table[candidate][0] and (layout is None or layout in experts_class(candidate).layouts):
-                return candidate
-        raise ValueError(f"no experts implementation is available: {table}")
-    if name not in table:
-        raise ValueError(f"unknown experts {name!r}; known: {sorted(table)} or 'auto'")
-    if not table[name][0]:
-        raise ValueError(f"experts {name!r} are not available: {table[name][1]}")
-    return name
+    device = default_device() if device is None else torch.device(device)
+    order = tuple(c for c in auto_experts_order(cfg, device, layout, world_size)
+                  if layout is None or layout in experts_class(c).layouts)
+    return _resolve("experts", name, list_experts(cfg, device), order)
 
 
 def make_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None = None, **options) -> Dispatcher:
