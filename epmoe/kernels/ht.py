@@ -5,8 +5,13 @@ kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (
 the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
 program and call, a receiver waits until a flag reaches epoch * programs.
 
+The receiver's layout (expert-sorted batch) costs work proportional to the rows received, not to the
+capacity: a count kernel and a place kernel visit blocks of received rows (blocks past a source's count
+do nothing), and a gather kernel copies the N valid batch rows (N read on the device).
+
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
-C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups.
+C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
+B = R * ceil(C / BLOCK_S) blocks of received rows, N batch rows.
 """
 from __future__ import annotations
 
@@ -25,15 +30,37 @@ class HtLaunch:
 
     programs: int
     num_warps: int
+    gather_programs: int  # programs of the batch gather (no spinning, no signal)
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
-    """Pure function of the row size and the device: half the SMs on a GPU (the other half stay free
-    for the receiver's work), a few programs under the CPU interpreter."""
+    """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
+    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), a few programs
+    under the CPU interpreter."""
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1)
+        return HtLaunch(programs=2, num_warps=1, gather_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return HtLaunch(programs=max(1, sms // 2), num_warps=8 if row_bytes >= 4096 else 4)
+    return HtLaunch(programs=sms, num_warps=8 if row_bytes >= 4096 else 4, gather_programs=4 * sms)
+
+
+@dataclass(frozen=True)
+class LayoutBlocks:
+    """Blocking of the layout kernels: BLOCK_S received rows x BLOCK_K slots = BLOCK_N pairs a program."""
+
+    block_s: int
+    block_k: int
+    blocks_per_rank: int
+
+    @property
+    def block_n(self) -> int:
+        return self.block_s * self.block_k
+
+
+def layout_blocks(capacity: int, top_k: int) -> LayoutBlocks:
+    """About 128 (row, slot) pairs per program; pure function of the capacity and K."""
+    block_k = triton.next_power_of_2(top_k)
+    block_s = max(1, 128 // block_k)
+    return LayoutBlocks(block_s=block_s, block_k=block_k, blocks_per_rank=-(-capacity // block_s))
 
 
 @triton.jit
@@ -157,6 +184,79 @@ def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
         tl.store(out_ptr + tl.cast(t, tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
 
 
+@triton.jit
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
+                         R: tl.constexpr, C: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                         NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_L: tl.constexpr):
+    """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
+    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    parity = tl.load(seq_ptr) % 2
+    count = tl.load(count_ptr + parity * R + r)
+    j = tl.arange(0, BLOCK_S * BLOCK_K)
+    s = b * BLOCK_S + j // BLOCK_K
+    k = j % BLOCK_K
+    p = (parity * R + r) * C + s
+    lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=(s < count) & (k < K), other=-1)
+    ll = tl.arange(0, BLOCK_L)
+    hits = (lid[:, None] == ll[None, :]).to(tl.int32)
+    tl.store(table_ptr + (r * NB + b) * L + ll, tl.sum(hits, axis=0), mask=ll < L)
+
+
+@triton.jit
+def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, src_ptr,
+                         R: tl.constexpr, C: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                         NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
+    start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
+    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
+    pair's weight w_out[p, k], and src[pos] = the pair's row in the 2P receive rows."""
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    parity = tl.load(seq_ptr) % 2
+    count = tl.load(count_ptr + parity * R + r)
+    j = tl.arange(0, BLOCK_S * BLOCK_K)
+    s = b * BLOCK_S + j // BLOCK_K
+    k = j % BLOCK_K
+    pair = (s < count) & (k < K)
+    p = r * C + s
+    at = (parity * R * C + p).to(tl.int64) * K + k
+    lid = tl.load(ids_ptr + at, mask=pair, other=-1)
+    w = tl.load(w_ptr + at, mask=pair, other=0.0)
+    earlier = (lid[:, None] == lid[None, :]) & (j[None, :] < j[:, None])
+    rank_in_block = tl.sum(earlier.to(tl.int32), axis=1)
+    valid = lid >= 0
+    start = tl.load(start_ptr + (r * NB + b) * L + lid, mask=valid, other=0)
+    pos = start + rank_in_block
+    tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
+    tl.store(w_out_ptr + p * K + k, w, mask=pair)
+    tl.store(src_ptr + pos, parity * R * C + p, mask=valid)
+
+
+@triton.jit
+def _gather_rows_kernel(out_ptr, out_scale_ptr, src_ptr, n_ptr, recv_ptr, recv_scale_ptr,
+                        D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PROGRAMS: tl.constexpr):
+    """out[i] = recv[src[i]] (and the fp8 scales) for i < n = n_ptr[0], ROWS rows per step."""
+    pid = tl.program_id(0)
+    n = tl.load(n_ptr)
+    cols = tl.arange(0, BLOCK_D)
+    gg = tl.arange(0, BLOCK_G)
+    for first in range(pid * ROWS, n, PROGRAMS * ROWS):
+        i = first + tl.arange(0, ROWS)
+        rmask = i < n
+        src = tl.load(src_ptr + i, mask=rmask, other=0).to(tl.int64)
+        m = rmask[:, None] & (cols[None, :] < D)
+        row = tl.load(recv_ptr + src[:, None] * D + cols[None, :], mask=m)
+        tl.store(out_ptr + i.to(tl.int64)[:, None] * D + cols[None, :], row, mask=m)
+        if FP8:
+            gm = rmask[:, None] & (gg[None, :] < G)
+            scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=gm)
+            tl.store(out_scale_ptr + i.to(tl.int64)[:, None] * G + gg[None, :], scale, mask=gm)
+
+
 def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
                   counts_R: torch.Tensor, seq_1: torch.Tensor, peers: dict[str, torch.Tensor], rank: int,
                   capacity: int, num_local_experts: int, fp8: bool, launch: HtLaunch) -> None:
@@ -212,3 +312,55 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
             PROGRAMS=programs, num_warps=launch.num_warps)
     return out_TD
+
+
+def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
+                 num_local_experts: int) -> torch.Tensor:
+    """Per block of received rows, pairs of each local expert: int32 [B, L] (no host sync).
+
+    recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r].
+    """
+    _, R, C, K = recv_ids.shape
+    L, NB = num_local_experts, blocks.blocks_per_rank
+    table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, R=R, C=C, K=K, L=L, NB=NB,
+                                  BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
+                                  BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+    return table_BL
+
+
+def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
+                 start_BL: torch.Tensor, blocks: LayoutBlocks, max_rows: int) -> tuple[torch.Tensor, ...]:
+    """pos_PK int32 [P, K] (batch row of each received pair, -1 none), weights_PK float32 [P, K] and
+    src_N int32 [max_rows] (receive row, in [0, 2P), of each batch row). Rows of pos/weights past a
+    source's count, and src past the valid rows, are left unset. start_BL: int32 [B, L], the batch
+    row of each block's first pair of each expert."""
+    _, R, C, K = recv_ids.shape
+    L = start_BL.shape[1]
+    dev = recv_ids.device
+    pos_PK = torch.empty(R * C, K, dtype=torch.int32, device=dev)
+    weights_PK = torch.empty(R * C, K, dtype=torch.float32, device=dev)
+    src_N = torch.empty(max(max_rows, 1), dtype=torch.int32, device=dev)
+    _layout_place_kernel[(R, blocks.blocks_per_rank)](
+        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, src_N, R=R, C=C, K=K, L=L,
+        NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
+    return pos_PK, weights_PK, src_N
+
+
+def gather_rows(recv_xD: torch.Tensor, recv_scale: torch.Tensor | None, src_N: torch.Tensor, n_1: torch.Tensor,
+                rows: int, launch: HtLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [rows, D] (and x_scale [rows, G] float32 when recv_scale is given): row i < n_1[0] is
+    recv_xD[src_N[i]]; rows past n_1[0] are left unset. recv_xD: [2P, D]; n_1: int32 on the device."""
+    D = recv_xD.shape[1]
+    x = torch.empty(rows, D, dtype=recv_xD.dtype, device=recv_xD.device)
+    fp8 = recv_scale is not None
+    G = recv_scale.shape[1] if fp8 else 1
+    x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_xD.device) if fp8 else None
+    if rows:
+        row_rows = 2 if D * recv_xD.element_size() >= 4096 else 8
+        programs = max(1, min(launch.gather_programs, -(-rows // row_rows)))
+        _gather_rows_kernel[(programs,)](
+            x, x_scale if fp8 else x, src_N, n_1, recv_xD, recv_scale if fp8 else recv_xD,
+            D=D, G=G, FP8=fp8, ROWS=row_rows, BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_G=triton.next_power_of_2(G), PROGRAMS=programs, num_warps=launch.num_warps)
+    return x, x_scale
