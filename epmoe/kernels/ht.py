@@ -32,6 +32,11 @@ class HtLaunch:
     num_warps: int
     gather_programs: int  # programs of the batch gather (no spinning, no signal)
 
+    @staticmethod
+    def rows(hidden: int) -> int:
+        """Rows a program has in flight per step: about 16K elements of (padded) row at once."""
+        return max(1, min(4, 16384 // triton.next_power_of_2(hidden)))
+
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
@@ -83,44 +88,50 @@ def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
                           flag_peers, T, rank,
                           R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                           L: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Each program takes tokens pid, pid + PROGRAMS, ...; stores the row (fp8-quantized when FP8)
-    once into every destination rank's receive region at the token's slot there, with its K
-    destination-local ids (-1 for other ranks' experts) and weights; then the counts and one signal."""
+                          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Each program takes ROWS tokens at a time (tokens pid*ROWS.., then + PROGRAMS*ROWS, ...), all
+    loaded before any store; stores each row (fp8-quantized when FP8) once into every destination
+    rank's receive region at the token's slot there, with its K destination-local ids (-1 for other
+    ranks' experts) and weights; then the counts and one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     BLOCK: tl.constexpr = 128
-    # a row as [BLOCK_G, 128]: group g holds columns [128 g, 128 g + 128)
+    # a step as [ROWS, BLOCK_G, 128]: group g of a row holds columns [128 g, 128 g + 128)
     cols = tl.arange(0, BLOCK_G)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    cmask = cols < D
     kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
     gg = tl.arange(0, BLOCK_G)
-    for t in range(pid, T, PROGRAMS):
-        row = tl.load(x_ptr + tl.cast(t, tl.int64) * D + cols, mask=cmask, other=0.0)
+    for first in range(pid * ROWS, T, PROGRAMS * ROWS):
+        t = first + tl.arange(0, ROWS)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        xmask = tmask[:, None, None] & (cols < D)[None, :, :]
+        row = tl.load(x_ptr + t64[:, None, None] * D + cols[None, :, :], mask=xmask, other=0.0)
         if FP8:
-            amax = tl.max(tl.abs(row.to(tl.float32)), axis=1)
+            amax = tl.max(tl.abs(row.to(tl.float32)), axis=2)
             # as epmoe.quant.quantize_act_ref, with IEEE divisions (a plain `/` may be approximate)
             scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-            q = tl.div_rn(row.to(tl.float32), scale[:, None] + tl.zeros(row.shape, tl.float32))
+            q = tl.div_rn(row.to(tl.float32), scale[:, :, None] + tl.zeros(row.shape, tl.float32))
             q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
             row_out = row
-        ids = tl.load(ids_ptr + t * K + kk, mask=kmask, other=-1).to(tl.int32)
-        w = tl.load(w_ptr + t * K + kk, mask=kmask, other=0.0)
+        kmask = tmask[:, None] & (kk < K)[None, :]
+        ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+        w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t * R + r)
-            if slot >= 0:
-                row_at = ((parity * R + rank) * C + slot).to(tl.int64)
-                dst = _peer(recv_x_peers, r, row_out.dtype) + row_at * D + cols
-                tl.store(tl.multiple_of(dst, [16, 16]), row_out, mask=cmask)
-                if FP8:
-                    tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at * G + gg, scale, mask=gg < G)
-                lid = ids - r * L
-                lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
-                tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at * K + kk, lid, mask=kmask)
-                tl.store(_peer(recv_w_peers, r, tl.float32) + row_at * K + kk, w, mask=kmask)
+            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
+            sent = slot >= 0
+            row_at = ((parity * R + rank) * C + tl.maximum(slot, 0)).to(tl.int64)
+            dst = _peer(recv_x_peers, r, row_out.dtype) + row_at[:, None, None] * D + cols[None, :, :]
+            tl.store(tl.multiple_of(dst, [1, 16, 16]), row_out, mask=xmask & sent[:, None, None])
+            if FP8:
+                tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at[:, None] * G + gg[None, :], scale,
+                         mask=sent[:, None] & (gg < G)[None, :])
+            lid = ids - r * L
+            lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
+            smask = kmask & sent[:, None]
+            tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
+            tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
     for r in tl.static_range(R):
         tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.load(count_ptr + r))
     _signal(flag_peers, rank, R)
@@ -276,8 +287,8 @@ def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
         peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"], peers["recv_ids"], peers["recv_w"],
         peers["recv_count"], peers["dispatch_flag"], T, rank,
         R=R, C=capacity, D=D, K=K, L=num_local_experts, G=G, FP8=fp8,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_K=triton.next_power_of_2(K), PROGRAMS=launch.programs,
-        num_warps=launch.num_warps)
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D),
+        PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> None:
