@@ -150,49 +150,56 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
 @triton.jit
 def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
                          R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr):
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
-    (pos -1: none), stored as one row into rank r's combine region at (this rank, s); then a signal."""
+    (pos -1: none), stored as one row into rank r's combine region at (this rank, s); ROWS rows per
+    program step; then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    zero_D = tl.zeros([BLOCK_D], dtype=tl.int32)  # broadcasts a scalar condition into a mask
     for r in tl.static_range(R):
         count = tl.load(count_ptr + r)
-        for s in range(pid, count, PROGRAMS):
+        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
+            s = first + tl.arange(0, ROWS)
+            smask = s < count
             p = r * C + s
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for k in range(K):
-                pos = tl.load(pos_ptr + p * K + k)
-                w = tl.load(w_ptr + p * K + k)
-                y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64) * D + cols, mask=cmask & (pos + zero_D >= 0),
-                            other=0.0)
-                acc += w * y.to(tl.float32)
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for k in tl.static_range(K):
+                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
+                w = tl.load(w_ptr + p * K + k, mask=smask, other=0.0)
+                y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + cols[None, :],
+                            mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
+                acc += w[:, None] * y.to(tl.float32)
             row_at = ((parity * R + rank) * C + s).to(tl.int64)
-            dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at * D + cols
-            tl.store(tl.multiple_of(dst, 16), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
+            dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at[:, None] * D + cols[None, :]
+            tl.store(tl.multiple_of(dst, [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=smask[:, None] & cmask[None, :])
     _signal(flag_peers, rank, R)
 
 
 @triton.jit
 def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
                            R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           PROGRAMS: tl.constexpr):
-    """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order."""
+                           ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
+    ROWS tokens per program step."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    zero_D = tl.zeros([BLOCK_D], dtype=tl.int32)  # broadcasts a scalar condition into a mask
-    for t in range(pid, T, PROGRAMS):
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(pid * ROWS, T, PROGRAMS * ROWS):
+        t = first + tl.arange(0, ROWS)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t * R + r)
+            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
             row_at = ((parity * R + r) * C + tl.maximum(slot, 0)).to(tl.int64)
-            acc += tl.load(comb_ptr + row_at * D + cols, mask=cmask & (slot + zero_D >= 0),
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.cast(t, tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
+            acc += tl.load(comb_ptr + row_at[:, None] * D + cols[None, :],
+                           mask=(slot >= 0)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * D + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -308,8 +315,8 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
     R = counts_R.shape[0]
     _combine_send_kernel[(launch.programs,)](
         y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
-        R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), PROGRAMS=launch.programs,
-        num_warps=launch.num_warps)
+        R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D),
+        PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
@@ -318,10 +325,11 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
     T = slot_TR.shape[0]
     out_TD = torch.empty(T, D, dtype=comb_2RCD.dtype, device=comb_2RCD.device)
     if T:
-        programs = max(1, min(T, 4 * launch.programs))
+        rows = launch.rows(D)
+        programs = max(1, min(-(-T // rows), launch.gather_programs))
         _combine_reduce_kernel[(programs,)](
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
-            PROGRAMS=programs, num_warps=launch.num_warps)
+            ROWS=rows, PROGRAMS=programs, num_warps=launch.num_warps)
     return out_TD
 
 
