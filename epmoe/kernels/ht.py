@@ -34,8 +34,13 @@ class HtLaunch:
 
     @staticmethod
     def rows(hidden: int) -> int:
-        """Rows a program has in flight per step: about 16K elements of (padded) row at once."""
+        """Rows a send/reduce program has in flight per step: about 16K elements of (padded) row."""
         return max(1, min(4, 16384 // triton.next_power_of_2(hidden)))
+
+    @staticmethod
+    def gather_rows(row_bytes: int) -> int:
+        """Rows a gather program copies per step (no arithmetic: 2 rows of 4 KB or more, else 8)."""
+        return 2 if row_bytes >= 4096 else 8
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
@@ -86,7 +91,7 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
                           recv_x_peers, recv_scale_peers, recv_ids_peers, recv_w_peers, recv_count_peers,
                           flag_peers, T, rank,
-                          R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                          R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
                           L: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, BLOCK_G: tl.constexpr,
                           BLOCK_K: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """Each program takes ROWS tokens at a time (tokens pid*ROWS.., then + PROGRAMS*ROWS, ...), all
@@ -149,7 +154,7 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
 
 @triton.jit
 def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
-                         R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
                          BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
     (pos -1: none), stored as one row into rank r's combine region at (this rank, s); ROWS rows per
@@ -180,7 +185,7 @@ def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, 
 
 @triton.jit
 def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
-                           R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                           R: tl.constexpr, C, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
     ROWS tokens per program step."""
@@ -204,8 +209,8 @@ def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
 
 @triton.jit
 def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
-                         R: tl.constexpr, C: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                         NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                         R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
+                         NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr):
     """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
     [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
@@ -225,8 +230,8 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
 
 @triton.jit
 def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, src_ptr,
-                         R: tl.constexpr, C: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                         NB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                         R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
+                         NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
     start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
     expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
@@ -376,7 +381,7 @@ def gather_rows(recv_xD: torch.Tensor, recv_scale: torch.Tensor | None, src_N: t
     G = recv_scale.shape[1] if fp8 else 1
     x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_xD.device) if fp8 else None
     if rows:
-        row_rows = 2 if D * recv_xD.element_size() >= 4096 else 8
+        row_rows = launch.gather_rows(D * recv_xD.element_size())
         programs = max(1, min(launch.gather_programs, -(-rows // row_rows)))
         _gather_rows_kernel[(programs,)](
             x, x_scale if fp8 else x, src_N, n_1, recv_xD, recv_scale if fp8 else recv_xD,
