@@ -258,15 +258,15 @@ class HtDispatcher(Dispatcher):
         offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(counts_L, 0, out=offsets_L1[1:])
         start_BL = torch.cumsum(table_BL, 0, dtype=torch.int32) - table_BL + offsets_L1[:L]
-        n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
         pos_PK, weights_PK, src_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL, self.blocks,
-                                                         self.max_recv_rows if self.sync_free else n)
+                                                         self.max_recv_rows)
+        recv_counts_R = recv_count.index_select(0, (seq % 2).long()).view(R)
+        # everything above is queued before the host waits for n
+        n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
         D = self.cfg.hidden_size
         recv_scale = self.ws.local("recv_scale").view(-1, num_groups(D)) if self.fp8 else None
         x, x_scale = kernels.gather_rows(self.ws.local("recv_x").view(-1, D), recv_scale, src_N, offsets_L1[L:],
                                          n, self.launch)
-        parity_1 = (seq % 2).long()
-        recv_counts_R = recv_count.index_select(0, parity_1).view(R)
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=x_scale, counts_L=counts_L,
