@@ -228,6 +228,23 @@ def test_several_layout_blocks_and_spare_capacity(sync_free):
                                             for r, T in enumerate(Ts)])
 
 
+@pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64)])
+def test_number_pairs_matches_torch(T, R, ids_dtype):
+    """The sender's slots (several blocks of tokens, ids -1 and out of range) against a torch prefix sum."""
+    from epmoe.kernels.ht import number_pairs
+    L, K = 4, 3
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(-1, R * L + 2, (T, K), generator=g).to(ids_dtype)  # R*L, R*L+1: out of range
+    seq = torch.full((1,), 5, dtype=torch.int32, device=_EMU_DEVICE)
+    slot_TR, counts_R = number_pairs(ids.to(_EMU_DEVICE), seq, R, L)
+    assert seq.item() == 6  # the epoch advanced
+    dest = torch.where((ids >= 0) & (ids < R * L), ids.long() // L, R)
+    wants_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_(1, dest, 1)[:, :R]
+    want = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0) - 1, -1)
+    assert torch.equal(slot_TR.cpu(), want.to(torch.int32))
+    assert counts_R.cpu().tolist() == wants_TR.sum(0).tolist()
+
+
 def test_float32_dtype():
     cfg = _cfg(E=4, K=3, D=12, dtype=torch.float32)
     check_round_trip(cfg, make_world(cfg, 2), [exact_inputs(cfg, r, 3, "random", seed=3, device=_EMU_DEVICE)

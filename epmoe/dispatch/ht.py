@@ -1,6 +1,6 @@
 """`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
 
-Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum, and one
+Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum (one kernel), and one
 Triton kernel stores each row once per destination rank (fp8-quantized on the way when
 cfg.quant == "fp8_block") straight into that rank's receive region, with the token's destination-local
 ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
@@ -224,15 +224,11 @@ class HtDispatcher(Dispatcher):
     def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
-        ids = ids_TK.long()
-        dest_TK = torch.where(ids >= 0, ids // L, R)
-        wants_TR = torch.zeros(T, R + 1, dtype=torch.int32, device=x_TD.device).scatter_(1, dest_TK, 1)[:, :R]
-        slot_TR = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
-        counts_R = wants_TR.sum(0, dtype=torch.int32)
         seq = self.ws.local("dispatch_seq")
-        seq.add_(1)  # this call's epoch, on the device (graph-replayable)
+        # slots, counts, and this call's epoch (seq + 1, on the device: graph-replayable), one kernel
+        slot_TR, counts_R = kernels.number_pairs(ids_TK, seq, R, L)
         peers = {name: self.ws.peers(name) for name in self.ws.specs}
-        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR.contiguous(), counts_R, seq, peers, self.rank,
+        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq, peers, self.rank,
                               self.capacity, L, self.fp8, self.launch)
         return HtDispatchPending(slot_TR=slot_TR, num_tokens=T)
 

@@ -88,6 +88,30 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 
 
 @triton.jit
+def _number_pairs_kernel(ids_ptr, slot_ptr, count_ptr, seq_ptr, T,
+                         R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """One program: slot[t, r] = number of earlier tokens sent to rank r if token t has an expert on r,
+    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1."""
+    rr = tl.arange(0, BLOCK_R)
+    running = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for first in range(0, T, BLOCK_T):
+        t = first + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        wants = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
+        for k in tl.static_range(K):
+            e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
+            dest = tl.where(e >= 0, e // L, -1)
+            wants = tl.maximum(wants, (dest[:, None] == rr[None, :]).to(tl.int32))
+        slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + running[None, :], -1)
+        tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & (rr < R)[None, :])
+        running += tl.sum(wants, axis=0)
+    tl.store(count_ptr + rr, running, mask=rr < R)
+    tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+
+
+@triton.jit
 def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
                           recv_x_peers, recv_scale_peers, recv_ids_peers, recv_w_peers, recv_count_peers,
                           flag_peers, T, rank,
@@ -278,6 +302,20 @@ def _gather_rows_kernel(out_ptr, out_scale_ptr, src_ptr, n_ptr, recv_ptr, recv_s
             gm = rmask[:, None] & (gg[None, :] < G)
             scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=gm)
             tl.store(out_scale_ptr + i.to(tl.int64)[:, None] * G + gg[None, :], scale, mask=gm)
+
+
+def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
+                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order), -1
+    when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank. Increments the epoch
+    seq_1 (int32 [1]) on the device. ids_TK: int32/int64 [T, K] global ids, -1 none. No host sync."""
+    T, K = ids_TK.shape
+    R = world_size
+    slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
+    counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
+    _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
+                               BLOCK_T=1024, BLOCK_R=triton.next_power_of_2(R), num_warps=8)
+    return slot_TR, counts_R
 
 
 def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
