@@ -173,7 +173,7 @@ def main(argv: list[str]) -> None:
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"ht: {rows[0]['ht_programs']} programs (one per SM of {rows[0]['sms']}) for the send kernels of dispatch "
-          f"and combine; 1 program waits; the gather and the final combine sum use up to "
+          f"and combine; 1 program waits; the batch scatter and the final combine sum use up to "
           f"{4 * rows[0]['sms']} programs (no spinning); capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "

@@ -243,7 +243,8 @@ class HtDispatcher(Dispatcher):
         """The received rows, sorted by local expert (source rank, slot, k within an expert).
 
         Work proportional to the rows received: a count and a place kernel over blocks of received
-        rows, a few small torch ops on the [B, L] table of per-block counts, one gather of the n rows.
+        rows, a few small torch ops on the [B, L] table of per-block counts, a scatter kernel that reads
+        each received row once and writes its n batch rows.
         """
         R, L = self.world_size, self.num_local_experts
         seq = self.ws.local("dispatch_seq")
@@ -254,15 +255,12 @@ class HtDispatcher(Dispatcher):
         offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(counts_L, 0, out=offsets_L1[1:])
         start_BL = torch.cumsum(table_BL, 0, dtype=torch.int32) - table_BL + offsets_L1[:L]
-        pos_PK, weights_PK, src_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL, self.blocks,
-                                                         self.max_recv_rows)
+        pos_PK, weights_PK = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL, self.blocks)
         recv_counts_R = recv_count.index_select(0, (seq % 2).long()).view(R)
         # everything above is queued before the host waits for n
         n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
-        D = self.cfg.hidden_size
-        recv_scale = self.ws.local("recv_scale").view(-1, num_groups(D)) if self.fp8 else None
-        x, x_scale = kernels.gather_rows(self.ws.local("recv_x").view(-1, D), recv_scale, src_N, offsets_L1[L:],
-                                         n, self.launch)
+        x, x_scale = kernels.scatter_rows(self.ws.local("recv_x"), self.ws.local("recv_scale") if self.fp8 else None,
+                                          recv_count, seq, pos_PK, n, self.launch)
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=x_scale, counts_L=counts_L,

@@ -7,7 +7,8 @@ program and call, a receiver waits until a flag reaches epoch * programs.
 
 The receiver's layout (expert-sorted batch) costs work proportional to the rows received, not to the
 capacity: a count kernel and a place kernel visit blocks of received rows (blocks past a source's count
-do nothing), and a gather kernel copies the N valid batch rows (N read on the device).
+do nothing), and a scatter kernel reads each received row once and writes it to its batch rows (one
+per local expert of the token); the counts are read on the device.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
 C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
@@ -23,34 +24,31 @@ import triton.language as tl
 
 from ..config import FP8_BLOCK
 
+
 @dataclass(frozen=True)
 class HtLaunch:
     """Launch config of the ht kernels: `programs` persistent programs for the send kernels (the same
-    on every rank: flags count one signal per program), `num_warps` per program."""
+    on every rank: flags count one signal per program), `num_warps` per program; `rows(D)` rows per
+    program step in the send, scatter and reduce kernels."""
 
     programs: int
     num_warps: int
-    gather_programs: int  # programs of the batch gather (no spinning, no signal)
+    copy_programs: int  # programs of the batch scatter and the final combine sum (no spinning)
 
     @staticmethod
     def rows(hidden: int) -> int:
         """Rows a send/reduce program has in flight per step: about 16K elements of (padded) row."""
         return max(1, min(4, 16384 // triton.next_power_of_2(hidden)))
 
-    @staticmethod
-    def gather_rows(row_bytes: int) -> int:
-        """Rows a gather program copies per step (no arithmetic: 2 rows of 4 KB or more, else 8)."""
-        return 2 if row_bytes >= 4096 else 8
-
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
-    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), a few programs
-    under the CPU interpreter."""
+    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four copy programs
+    per SM; a few programs under the CPU interpreter."""
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, gather_programs=2)
+        return HtLaunch(programs=2, num_warps=1, copy_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return HtLaunch(programs=sms, num_warps=8 if row_bytes >= 4096 else 4, gather_programs=4 * sms)
+    return HtLaunch(programs=sms, num_warps=8 if row_bytes >= 4096 else 4, copy_programs=4 * sms)
 
 
 @dataclass(frozen=True)
@@ -253,13 +251,13 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
 
 
 @triton.jit
-def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, src_ptr,
+def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
     start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
-    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
-    pair's weight w_out[p, k], and src[pos] = the pair's row in the 2P receive rows."""
+    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert) and the
+    pair's weight w_out[p, k]."""
     r = tl.program_id(0)
     b = tl.program_id(1)
     parity = tl.load(seq_ptr) % 2
@@ -279,30 +277,39 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     pos = start + rank_in_block
     tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
     tl.store(w_out_ptr + p * K + k, w, mask=pair)
-    tl.store(src_ptr + pos, parity * R * C + p, mask=valid)
 
 
 @triton.jit
-def _gather_rows_kernel(out_ptr, out_scale_ptr, src_ptr, n_ptr, recv_ptr, recv_scale_ptr,
-                        D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PROGRAMS: tl.constexpr):
-    """out[i] = recv[src[i]] (and the fp8 scales) for i < n = n_ptr[0], ROWS rows per step."""
+def _scatter_rows_kernel(x_ptr, x_scale_ptr, pos_ptr, count_ptr, seq_ptr, recv_ptr, recv_scale_ptr, C,
+                         R: tl.constexpr, D: tl.constexpr, K: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PROGRAMS: tl.constexpr):
+    """Each received row (source r, slot s < count[parity, r]) is read once, ROWS rows per program step,
+    and written to the batch rows pos[r * C + s, k] >= 0 (with its fp8 scales when FP8)."""
     pid = tl.program_id(0)
-    n = tl.load(n_ptr)
+    parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
     gg = tl.arange(0, BLOCK_G)
-    for first in range(pid * ROWS, n, PROGRAMS * ROWS):
-        i = first + tl.arange(0, ROWS)
-        rmask = i < n
-        src = tl.load(src_ptr + i, mask=rmask, other=0).to(tl.int64)
-        m = rmask[:, None] & (cols[None, :] < D)
-        row = tl.load(recv_ptr + src[:, None] * D + cols[None, :], mask=m)
-        tl.store(out_ptr + i.to(tl.int64)[:, None] * D + cols[None, :], row, mask=m)
-        if FP8:
-            gm = rmask[:, None] & (gg[None, :] < G)
-            scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=gm)
-            tl.store(out_scale_ptr + i.to(tl.int64)[:, None] * G + gg[None, :], scale, mask=gm)
-
+    gmask = gg < G
+    for r in tl.static_range(R):
+        count = tl.load(count_ptr + parity * R + r)
+        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
+            s = first + tl.arange(0, ROWS)
+            smask = s < count
+            src = ((parity * R + r) * C + s).to(tl.int64)
+            m = smask[:, None] & cmask[None, :]
+            row = tl.load(recv_ptr + src[:, None] * D + cols[None, :], mask=m)
+            if FP8:
+                scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=smask[:, None] & gmask[None, :])
+            p = r * C + s
+            for k in tl.static_range(K):
+                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
+                to = tl.maximum(pos, 0).to(tl.int64)
+                tl.store(x_ptr + to[:, None] * D + cols[None, :], row, mask=m & (pos >= 0)[:, None])
+                if FP8:
+                    tl.store(x_scale_ptr + to[:, None] * G + gg[None, :], scale,
+                             mask=(pos >= 0)[:, None] & gmask[None, :])
 
 def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
                  num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +376,7 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
     out_TD = torch.empty(T, D, dtype=comb_2RCD.dtype, device=comb_2RCD.device)
     if T:
         rows = launch.rows(D)
-        programs = max(1, min(-(-T // rows), launch.gather_programs))
+        programs = max(1, min(-(-T // rows), launch.copy_programs))
         _combine_reduce_kernel[(programs,)](
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
             ROWS=rows, PROGRAMS=programs, num_warps=launch.num_warps)
@@ -392,37 +399,36 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
 
 
 def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
-                 start_BL: torch.Tensor, blocks: LayoutBlocks, max_rows: int) -> tuple[torch.Tensor, ...]:
-    """pos_PK int32 [P, K] (batch row of each received pair, -1 none), weights_PK float32 [P, K] and
-    src_N int32 [max_rows] (receive row, in [0, 2P), of each batch row). Rows of pos/weights past a
-    source's count, and src past the valid rows, are left unset. start_BL: int32 [B, L], the batch
-    row of each block's first pair of each expert."""
+                 start_BL: torch.Tensor, blocks: LayoutBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos_PK int32 [P, K] (batch row of each received pair, -1 none) and weights_PK float32 [P, K]; rows
+    past a source's count are left unset. start_BL: int32 [B, L], the batch row of each block's first
+    pair of each expert."""
     _, R, C, K = recv_ids.shape
     L = start_BL.shape[1]
     dev = recv_ids.device
     pos_PK = torch.empty(R * C, K, dtype=torch.int32, device=dev)
     weights_PK = torch.empty(R * C, K, dtype=torch.float32, device=dev)
-    src_N = torch.empty(max(max_rows, 1), dtype=torch.int32, device=dev)
     _layout_place_kernel[(R, blocks.blocks_per_rank)](
-        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, src_N, R=R, C=C, K=K, L=L,
+        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, R=R, C=C, K=K, L=L,
         NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
-    return pos_PK, weights_PK, src_N
+    return pos_PK, weights_PK
 
 
-def gather_rows(recv_xD: torch.Tensor, recv_scale: torch.Tensor | None, src_N: torch.Tensor, n_1: torch.Tensor,
-                rows: int, launch: HtLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [rows, D] (and x_scale [rows, G] float32 when recv_scale is given): row i < n_1[0] is
-    recv_xD[src_N[i]]; rows past n_1[0] are left unset. recv_xD: [2P, D]; n_1: int32 on the device."""
-    D = recv_xD.shape[1]
-    x = torch.empty(rows, D, dtype=recv_xD.dtype, device=recv_xD.device)
+def scatter_rows(recv_x: torch.Tensor, recv_scale: torch.Tensor | None, recv_count: torch.Tensor,
+                 seq_1: torch.Tensor, pos_PK: torch.Tensor, rows: int,
+                 launch: HtLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch: x [rows, D] (and x_scale [rows, G] float32 when recv_scale is given), batch row
+    pos_PK[p, k] = received row p (of parity seq_1 % 2). recv_x: [2, R, C, D]; recv_scale: [2, R, C, G].
+    Rows no pair maps to (past the valid rows) are left unset."""
+    _, R, C, D = recv_x.shape
+    K = pos_PK.shape[1]
+    x = torch.empty(rows, D, dtype=recv_x.dtype, device=recv_x.device)
     fp8 = recv_scale is not None
-    G = recv_scale.shape[1] if fp8 else 1
-    x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_xD.device) if fp8 else None
+    G = recv_scale.shape[-1] if fp8 else 1
+    x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_x.device) if fp8 else None
     if rows:
-        row_rows = launch.gather_rows(D * recv_xD.element_size())
-        programs = max(1, min(launch.gather_programs, -(-rows // row_rows)))
-        _gather_rows_kernel[(programs,)](
-            x, x_scale if fp8 else x, src_N, n_1, recv_xD, recv_scale if fp8 else recv_xD,
-            D=D, G=G, FP8=fp8, ROWS=row_rows, BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_G=triton.next_power_of_2(G), PROGRAMS=programs, num_warps=launch.num_warps)
+        _scatter_rows_kernel[(launch.copy_programs,)](
+            x, x_scale if fp8 else x, pos_PK, recv_count, seq_1, recv_x, recv_scale if fp8 else recv_x, C,
+            R=R, D=D, K=K, G=G, FP8=fp8, ROWS=launch.rows(D), BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_G=triton.next_power_of_2(G), PROGRAMS=launch.copy_programs, num_warps=launch.num_warps)
     return x, x_scale
