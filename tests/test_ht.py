@@ -228,9 +228,11 @@ def test_several_layout_blocks_and_spare_capacity(sync_free):
                                             for r, T in enumerate(Ts)])
 
 
-@pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64)])
+@pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64),
+                                            (4500, 2, torch.int32)])
 def test_number_pairs_matches_torch(T, R, ids_dtype):
-    """The sender's slots (several blocks of tokens, ids -1 and out of range) against a torch prefix sum."""
+    """The sender's slots (several blocks of 4096 // R tokens, ids -1 and out of range) against a torch
+    prefix sum."""
     from epmoe.kernels.ht import number_pairs
     L, K = 4, 3
     g = torch.Generator().manual_seed(T)

@@ -320,8 +320,9 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
     R = world_size
     slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
     counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
+    BLOCK_R = triton.next_power_of_2(R)
     _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
-                               BLOCK_T=1024, BLOCK_R=triton.next_power_of_2(R), num_warps=8)
+                               BLOCK_T=4096 // BLOCK_R, BLOCK_R=BLOCK_R, num_warps=8)
     return slot_TR, counts_R
 
 
