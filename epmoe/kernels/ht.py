@@ -53,15 +53,11 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
 
 @dataclass(frozen=True)
 class LayoutBlocks:
-    """Blocking of the layout kernels: BLOCK_S received rows x BLOCK_K slots = BLOCK_N pairs a program."""
+    """Blocking of the layout kernels: a program takes block_s received rows x block_k slots (pairs)."""
 
     block_s: int
     block_k: int
     blocks_per_rank: int
-
-    @property
-    def block_n(self) -> int:
-        return self.block_s * self.block_k
 
 
 def layout_blocks(capacity: int, top_k: int) -> LayoutBlocks:
