@@ -84,7 +84,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
     if T and ids_TK.numel() and not capturing:
-        lo, hi = int(ids_TK.min()), int(ids_TK.max())  # host sync
+        lo, hi = torch.stack(torch.aminmax(ids_TK)).tolist()  # one host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi
             raise ValueError(f"ids_TK holds expert id {bad}, outside [-1, E={E})")

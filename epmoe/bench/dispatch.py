@@ -12,7 +12,9 @@ tokens uniformly to top-k distinct experts and time dispatch and combine on each
   [+ fp8 scales] of each (token, other rank) pair; combine: one bf16 row per (token, rank) pair it returns);
   the NVLink limit is 478 GB/s per direction;
 - DeepEP's metric: all received rows including the local share (hidden bytes, + scales for fp8) per second.
-Writes OUT_DIR/bench_dispatch.json and prints a table. Runs ~1-2 minutes.
+The ht dispatchers are built per T with max_tokens_per_rank = T (a layer sizes them to its batch; the
+layout's cost follows the rows received either way). Writes OUT_DIR/bench_dispatch.json and prints a
+table. Runs well under 90 s.
 
 Shape letters: T tokens per rank, D hidden size, K top-k, E experts, R ranks, G fp8 scale groups.
 """
@@ -99,13 +101,16 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
 
     D, K, E, R = args.hidden, args.topk, args.experts, ctx.world_size
     L, G = E // R, num_groups(D)
-    common = dict(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, dtype=torch.bfloat16,
-                  max_tokens_per_rank=max(args.tokens))
-    cfg_bf16, cfg_fp8 = MoEConfig(**common), MoEConfig(**common, quant="fp8_block")
-    a2a = AllToAllDispatcher(cfg_bf16, ctx.group)
-    hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group), "fp8": HtDispatcher(cfg_fp8, ctx.group)}
+    common = dict(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, dtype=torch.bfloat16)
+    a2a = AllToAllDispatcher(MoEConfig(**common, max_tokens_per_rank=max(args.tokens)), ctx.group)
+    kept = []  # every ht workspace stays allocated to the end: no symmetric-memory frees between sizes
     rows = []
     for T in args.tokens:
+        # capacity = the T measured, as a layer sized for its batch would be built
+        cfg_bf16 = MoEConfig(**common, max_tokens_per_rank=T)
+        hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group),
+               "fp8": HtDispatcher(MoEConfig(**common, max_tokens_per_rank=T, quant="fp8_block"), ctx.group)}
+        kept.append(hts)
         inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
         # pairs this rank sends to other ranks, and rows it receives (from others / in all), set 0
         ids = inputs[0][1]
@@ -132,7 +137,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
                 combine_deepep_GBps=recv_all * D * 2 / c_us / 1e3,
                 alltoall_dispatch_us=a2a_d, alltoall_combine_us=a2a_c,
                 speedup_vs_alltoall=(a2a_d + a2a_c) / (d_us + c_us),
-                pairs_sent_to_others=sent_other, rows_received=recv_all,
+                pairs_sent_to_others=sent_other, rows_received=recv_all, capacity=ht.capacity,
                 ht_programs=ht.launch.programs,
                 sms=torch.cuda.get_device_properties(ctx.device).multi_processor_count))
     return rows
@@ -167,9 +172,9 @@ def main(argv: list[str]) -> None:
                 warmup=args.warmup, nvlink_GBps_per_direction=NVLINK_GBPS,
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    print(f"ht: {rows[0]['ht_programs']} programs (one per SM) for the send kernels of dispatch and combine, "
-          f"of {rows[0]['sms']} SMs; 1 program waits; the final combine sum uses up to "
-          f"{4 * rows[0]['ht_programs']} programs (no spinning)")
+    print(f"ht: {rows[0]['ht_programs']} programs (one per SM of {rows[0]['sms']}) for the send kernels of dispatch "
+          f"and combine; 1 program waits; the batch scatter and the final combine sum use up to "
+          f"{4 * rows[0]['sms']} programs (no spinning); capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
           f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted batch, one row per "

@@ -1,10 +1,11 @@
 """`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
 
-Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum, and one
+Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum (one kernel), and one
 Triton kernel stores each row once per destination rank (fp8-quantized on the way when
 cfg.quant == "fp8_block") straight into that rank's receive region, with the token's destination-local
 ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
-on the device and builds the expert-sorted contiguous batch from the received rows.
+on the device and builds the expert-sorted contiguous batch from the received rows, with work
+proportional to the rows received (not to the capacity C).
 Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
 (token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
 
@@ -49,8 +50,9 @@ class HtHandle:
     """Routing state of one dispatch, consumed by combine. Holds no view of the workspace."""
 
     slot_TR: torch.Tensor  # int32 [T, R], as in HtDispatchPending
-    pos_PK: torch.Tensor  # int32 [P, K]: batch row of received pair (row p, slot k), -1 if none
-    weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows
+    pos_PK: torch.Tensor  # int32 [P, K]: batch row of received pair (row p, slot k), -1 if none; rows
+    #   p = r * C + s with s >= recv_counts_R[r] are unset (never read)
+    weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows (same validity)
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
     num_tokens: int
 
@@ -132,6 +134,7 @@ class HtDispatcher(Dispatcher):
         self.fp8 = cfg.quant == "fp8_block"
         self.capacity = cfg.max_tokens_per_rank
         self.launch = kernels.ht_launch(cfg.row_bytes, self.device)
+        self.blocks = kernels.layout_blocks(self.capacity, cfg.top_k)
         specs = self._specs()
         if isinstance(group, EmulatedGroup):
             # Dispatchers of equal config share one workspace, epochs and flags included, so they act
@@ -221,15 +224,11 @@ class HtDispatcher(Dispatcher):
     def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
-        ids = ids_TK.long()
-        dest_TK = torch.where(ids >= 0, ids // L, R)
-        wants_TR = torch.zeros(T, R + 1, dtype=torch.int32, device=x_TD.device).scatter_(1, dest_TK, 1)[:, :R]
-        slot_TR = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0, dtype=torch.int32) - 1, -1).to(torch.int32)
-        counts_R = wants_TR.sum(0, dtype=torch.int32)
         seq = self.ws.local("dispatch_seq")
-        seq.add_(1)  # this call's epoch, on the device (graph-replayable)
+        # slots, counts, and this call's epoch (seq + 1, on the device: graph-replayable), one kernel
+        slot_TR, counts_R = kernels.number_pairs(ids_TK, seq, R, L)
         peers = {name: self.ws.peers(name) for name in self.ws.specs}
-        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR.contiguous(), counts_R, seq, peers, self.rank,
+        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq, peers, self.rank,
                               self.capacity, L, self.fp8, self.launch)
         return HtDispatchPending(slot_TR=slot_TR, num_tokens=T)
 
@@ -241,30 +240,27 @@ class HtDispatcher(Dispatcher):
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch)
 
     def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
-        """The received rows, sorted by local expert (source rank, slot, k within an expert)."""
-        R, C, L, K, D = self.world_size, self.capacity, self.num_local_experts, self.cfg.top_k, self.cfg.hidden_size
-        P = R * C
-        parity_1 = (self.ws.local("dispatch_seq") % 2).long()
-        recv_counts_R = self.ws.local("recv_count").index_select(0, parity_1).view(R)
-        ids_PK = self.ws.local("recv_ids").view(2, P, K).index_select(0, parity_1).view(P, K)
-        weights_PK = self.ws.local("recv_w").view(2, P, K).index_select(0, parity_1).view(P, K)
-        valid_P = (torch.arange(C, device=self.device).unsqueeze(0) < recv_counts_R.unsqueeze(1)).view(P)
-        key_N = torch.where(valid_P.unsqueeze(1) & (ids_PK >= 0), ids_PK, L).view(-1).long()
-        pair_N = torch.argsort(key_N, stable=True)
-        counts_L = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
-        counts_L.scatter_add_(0, key_N, torch.ones_like(key_N, dtype=torch.int32))
-        counts_L = counts_L[:L]
+        """The received rows, sorted by local expert (source rank, slot, k within an expert).
+
+        Work proportional to the rows received: a count and a place kernel over blocks of received
+        rows, a few small torch ops on the [B, L] table of per-block counts, a scatter kernel that reads
+        each received row once and writes its n batch rows.
+        """
+        R, L = self.world_size, self.num_local_experts
+        seq = self.ws.local("dispatch_seq")
+        recv_count = self.ws.local("recv_count")
+        recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
+        table_BL = kernels.layout_count(recv_ids, recv_count, seq, self.blocks, L)
+        counts_L = table_BL.sum(0, dtype=torch.int32)
         offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(counts_L, 0, out=offsets_L1[1:])
-        pos_N = torch.empty_like(pair_N, dtype=torch.int32)
-        pos_N.scatter_(0, pair_N, torch.arange(P * K, dtype=torch.int32, device=self.device))
-        pos_PK = torch.where(key_N < L, pos_N, -1).view(P, K)
+        start_BL = torch.cumsum(table_BL, 0, dtype=torch.int32) - table_BL + offsets_L1[:L]
+        pos_PK, weights_PK = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL, self.blocks)
+        recv_counts_R = recv_count.index_select(0, (seq % 2).long()).view(R)
+        # everything above is queued before the host waits for n
         n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
-        rows_N = pair_N[:n] // K + parity_1 * P
-        x = self.ws.local("recv_x").view(2 * P, D).index_select(0, rows_N)
-        x_scale = None
-        if self.fp8:
-            x_scale = self.ws.local("recv_scale").view(2 * P, -1).index_select(0, rows_N)
+        x, x_scale = kernels.scatter_rows(self.ws.local("recv_x"), self.ws.local("recv_scale") if self.fp8 else None,
+                                          recv_count, seq, pos_PK, n, self.launch)
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=x_scale, counts_L=counts_L,

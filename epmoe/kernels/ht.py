@@ -5,8 +5,14 @@ kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (
 the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
 program and call, a receiver waits until a flag reaches epoch * programs.
 
+The receiver's layout (expert-sorted batch) costs work proportional to the rows received, not to the
+capacity: a count kernel and a place kernel visit blocks of received rows (blocks past a source's count
+do nothing), and a scatter kernel reads each received row once and writes it to its batch rows (one
+per local expert of the token); the counts are read on the device.
+
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
-C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups.
+C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
+B = R * ceil(C / BLOCK_S) blocks of received rows, N batch rows.
 """
 from __future__ import annotations
 
@@ -18,22 +24,47 @@ import triton.language as tl
 
 from ..config import FP8_BLOCK
 
+
 @dataclass(frozen=True)
 class HtLaunch:
     """Launch config of the ht kernels: `programs` persistent programs for the send kernels (the same
-    on every rank: flags count one signal per program), `num_warps` per program."""
+    on every rank: flags count one signal per program), `num_warps` per program; `rows(D)` rows per
+    program step in the send, scatter and reduce kernels."""
 
     programs: int
     num_warps: int
+    copy_programs: int  # programs of the batch scatter and the final combine sum (no spinning)
+
+    @staticmethod
+    def rows(hidden: int) -> int:
+        """Rows a send/reduce program has in flight per step: about 16K elements of (padded) row."""
+        return max(1, min(4, 16384 // triton.next_power_of_2(hidden)))
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
-    """Pure function of the row size and the device: half the SMs on a GPU (the other half stay free
-    for the receiver's work), a few programs under the CPU interpreter."""
+    """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
+    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four copy programs
+    per SM; a few programs under the CPU interpreter."""
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1)
+        return HtLaunch(programs=2, num_warps=1, copy_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return HtLaunch(programs=max(1, sms // 2), num_warps=8 if row_bytes >= 4096 else 4)
+    return HtLaunch(programs=sms, num_warps=8 if row_bytes >= 4096 else 4, copy_programs=4 * sms)
+
+
+@dataclass(frozen=True)
+class LayoutBlocks:
+    """Blocking of the layout kernels: a program takes block_s received rows x block_k slots (pairs)."""
+
+    block_s: int
+    block_k: int
+    blocks_per_rank: int
+
+
+def layout_blocks(capacity: int, top_k: int) -> LayoutBlocks:
+    """About 128 (row, slot) pairs per program; pure function of the capacity and K."""
+    block_k = triton.next_power_of_2(top_k)
+    block_s = max(1, 128 // block_k)
+    return LayoutBlocks(block_s=block_s, block_k=block_k, blocks_per_rank=-(-capacity // block_s))
 
 
 @triton.jit
@@ -51,49 +82,79 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 
 
 @triton.jit
+def _number_pairs_kernel(ids_ptr, slot_ptr, count_ptr, seq_ptr, T,
+                         R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """One program: slot[t, r] = number of earlier tokens sent to rank r if token t has an expert on r,
+    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1."""
+    rr = tl.arange(0, BLOCK_R)
+    running = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for first in range(0, T, BLOCK_T):
+        t = first + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        wants = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
+        for k in tl.static_range(K):
+            e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
+            dest = tl.where(e >= 0, e // L, -1)
+            wants = tl.maximum(wants, (dest[:, None] == rr[None, :]).to(tl.int32))
+        slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + running[None, :], -1)
+        tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & (rr < R)[None, :])
+        running += tl.sum(wants, axis=0)
+    tl.store(count_ptr + rr, running, mask=rr < R)
+    tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+
+
+@triton.jit
 def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
                           recv_x_peers, recv_scale_peers, recv_ids_peers, recv_w_peers, recv_count_peers,
                           flag_peers, T, rank,
-                          R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                          R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
                           L: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Each program takes tokens pid, pid + PROGRAMS, ...; stores the row (fp8-quantized when FP8)
-    once into every destination rank's receive region at the token's slot there, with its K
-    destination-local ids (-1 for other ranks' experts) and weights; then the counts and one signal."""
+                          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Each program takes ROWS tokens at a time (tokens pid*ROWS.., then + PROGRAMS*ROWS, ...), all
+    loaded before any store; stores each row (fp8-quantized when FP8) once into every destination
+    rank's receive region at the token's slot there, with its K destination-local ids (-1 for other
+    ranks' experts) and weights; then the counts and one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     BLOCK: tl.constexpr = 128
-    # a row as [BLOCK_G, 128]: group g holds columns [128 g, 128 g + 128)
+    # a step as [ROWS, BLOCK_G, 128]: group g of a row holds columns [128 g, 128 g + 128)
     cols = tl.arange(0, BLOCK_G)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    cmask = cols < D
     kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
     gg = tl.arange(0, BLOCK_G)
-    for t in range(pid, T, PROGRAMS):
-        row = tl.load(x_ptr + tl.cast(t, tl.int64) * D + cols, mask=cmask, other=0.0)
+    for first in range(pid * ROWS, T, PROGRAMS * ROWS):
+        t = first + tl.arange(0, ROWS)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        xmask = tmask[:, None, None] & (cols < D)[None, :, :]
+        row = tl.load(x_ptr + t64[:, None, None] * D + cols[None, :, :], mask=xmask, other=0.0)
         if FP8:
-            amax = tl.max(tl.abs(row.to(tl.float32)), axis=1)
+            amax = tl.max(tl.abs(row.to(tl.float32)), axis=2)
             # as epmoe.quant.quantize_act_ref, with IEEE divisions (a plain `/` may be approximate)
             scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-            q = tl.div_rn(row.to(tl.float32), scale[:, None] + tl.zeros(row.shape, tl.float32))
+            q = tl.div_rn(row.to(tl.float32), scale[:, :, None] + tl.zeros(row.shape, tl.float32))
             q = tl.minimum(tl.maximum(q, -448.0), 448.0)
             row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
             row_out = row
-        ids = tl.load(ids_ptr + t * K + kk, mask=kmask, other=-1).to(tl.int32)
-        w = tl.load(w_ptr + t * K + kk, mask=kmask, other=0.0)
+        kmask = tmask[:, None] & (kk < K)[None, :]
+        ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+        w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t * R + r)
-            if slot >= 0:
-                row_at = ((parity * R + rank) * C + slot).to(tl.int64)
-                dst = _peer(recv_x_peers, r, row_out.dtype) + row_at * D + cols
-                tl.store(tl.multiple_of(dst, [16, 16]), row_out, mask=cmask)
-                if FP8:
-                    tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at * G + gg, scale, mask=gg < G)
-                lid = ids - r * L
-                lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
-                tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at * K + kk, lid, mask=kmask)
-                tl.store(_peer(recv_w_peers, r, tl.float32) + row_at * K + kk, w, mask=kmask)
+            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
+            sent = slot >= 0
+            row_at = ((parity * R + rank) * C + tl.maximum(slot, 0)).to(tl.int64)
+            dst = _peer(recv_x_peers, r, row_out.dtype) + row_at[:, None, None] * D + cols[None, :, :]
+            tl.store(tl.multiple_of(dst, [1, 16, 16]), row_out, mask=xmask & sent[:, None, None])
+            if FP8:
+                tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at[:, None] * G + gg[None, :], scale,
+                         mask=sent[:, None] & (gg < G)[None, :])
+            lid = ids - r * L
+            lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
+            smask = kmask & sent[:, None]
+            tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
+            tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
     for r in tl.static_range(R):
         tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.load(count_ptr + r))
     _signal(flag_peers, rank, R)
@@ -111,50 +172,154 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
 
 @triton.jit
 def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
-                         R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PROGRAMS: tl.constexpr):
+                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
-    (pos -1: none), stored as one row into rank r's combine region at (this rank, s); then a signal."""
+    (pos -1: none), stored as one row into rank r's combine region at (this rank, s); ROWS rows per
+    program step; then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    zero_D = tl.zeros([BLOCK_D], dtype=tl.int32)  # broadcasts a scalar condition into a mask
     for r in tl.static_range(R):
         count = tl.load(count_ptr + r)
-        for s in range(pid, count, PROGRAMS):
+        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
+            s = first + tl.arange(0, ROWS)
+            smask = s < count
             p = r * C + s
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for k in range(K):
-                pos = tl.load(pos_ptr + p * K + k)
-                w = tl.load(w_ptr + p * K + k)
-                y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64) * D + cols, mask=cmask & (pos + zero_D >= 0),
-                            other=0.0)
-                acc += w * y.to(tl.float32)
+            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+            for k in tl.static_range(K):
+                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
+                w = tl.load(w_ptr + p * K + k, mask=smask, other=0.0)
+                y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + cols[None, :],
+                            mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
+                acc += w[:, None] * y.to(tl.float32)
             row_at = ((parity * R + rank) * C + s).to(tl.int64)
-            dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at * D + cols
-            tl.store(tl.multiple_of(dst, 16), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
+            dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at[:, None] * D + cols[None, :]
+            tl.store(tl.multiple_of(dst, [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=smask[:, None] & cmask[None, :])
     _signal(flag_peers, rank, R)
 
 
 @triton.jit
 def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
-                           R: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           PROGRAMS: tl.constexpr):
-    """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order."""
+                           R: tl.constexpr, C, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                           ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+    """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
+    ROWS tokens per program step."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    zero_D = tl.zeros([BLOCK_D], dtype=tl.int32)  # broadcasts a scalar condition into a mask
-    for t in range(pid, T, PROGRAMS):
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(pid * ROWS, T, PROGRAMS * ROWS):
+        t = first + tl.arange(0, ROWS)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t * R + r)
+            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
             row_at = ((parity * R + r) * C + tl.maximum(slot, 0)).to(tl.int64)
-            acc += tl.load(comb_ptr + row_at * D + cols, mask=cmask & (slot + zero_D >= 0),
-                           other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.cast(t, tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cmask)
+            acc += tl.load(comb_ptr + row_at[:, None] * D + cols[None, :],
+                           mask=(slot >= 0)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * D + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
+                         R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
+                         NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_L: tl.constexpr):
+    """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
+    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    parity = tl.load(seq_ptr) % 2
+    count = tl.load(count_ptr + parity * R + r)
+    j = tl.arange(0, BLOCK_S * BLOCK_K)
+    s = b * BLOCK_S + j // BLOCK_K
+    k = j % BLOCK_K
+    p = (parity * R + r) * C + s
+    lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=(s < count) & (k < K), other=-1)
+    ll = tl.arange(0, BLOCK_L)
+    hits = (lid[:, None] == ll[None, :]).to(tl.int32)
+    tl.store(table_ptr + (r * NB + b) * L + ll, tl.sum(hits, axis=0), mask=ll < L)
+
+
+@triton.jit
+def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr,
+                         R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
+                         NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
+    start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
+    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert) and the
+    pair's weight w_out[p, k]."""
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    parity = tl.load(seq_ptr) % 2
+    count = tl.load(count_ptr + parity * R + r)
+    j = tl.arange(0, BLOCK_S * BLOCK_K)
+    s = b * BLOCK_S + j // BLOCK_K
+    k = j % BLOCK_K
+    pair = (s < count) & (k < K)
+    p = r * C + s
+    at = (parity * R * C + p).to(tl.int64) * K + k
+    lid = tl.load(ids_ptr + at, mask=pair, other=-1)
+    w = tl.load(w_ptr + at, mask=pair, other=0.0)
+    earlier = (lid[:, None] == lid[None, :]) & (j[None, :] < j[:, None])
+    rank_in_block = tl.sum(earlier.to(tl.int32), axis=1)
+    valid = lid >= 0
+    start = tl.load(start_ptr + (r * NB + b) * L + lid, mask=valid, other=0)
+    pos = start + rank_in_block
+    tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
+    tl.store(w_out_ptr + p * K + k, w, mask=pair)
+
+
+@triton.jit
+def _scatter_rows_kernel(x_ptr, x_scale_ptr, pos_ptr, count_ptr, seq_ptr, recv_ptr, recv_scale_ptr, C,
+                         R: tl.constexpr, D: tl.constexpr, K: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PROGRAMS: tl.constexpr):
+    """Each received row (source r, slot s < count[parity, r]) is read once, ROWS rows per program step,
+    and written to the batch rows pos[r * C + s, k] >= 0 (with its fp8 scales when FP8)."""
+    pid = tl.program_id(0)
+    parity = tl.load(seq_ptr) % 2
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    gg = tl.arange(0, BLOCK_G)
+    gmask = gg < G
+    for r in tl.static_range(R):
+        count = tl.load(count_ptr + parity * R + r)
+        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
+            s = first + tl.arange(0, ROWS)
+            smask = s < count
+            src = ((parity * R + r) * C + s).to(tl.int64)
+            m = smask[:, None] & cmask[None, :]
+            row = tl.load(recv_ptr + src[:, None] * D + cols[None, :], mask=m)
+            if FP8:
+                scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=smask[:, None] & gmask[None, :])
+            p = r * C + s
+            for k in tl.static_range(K):
+                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
+                to = tl.maximum(pos, 0).to(tl.int64)
+                tl.store(x_ptr + to[:, None] * D + cols[None, :], row, mask=m & (pos >= 0)[:, None])
+                if FP8:
+                    tl.store(x_scale_ptr + to[:, None] * G + gg[None, :], scale,
+                             mask=(pos >= 0)[:, None] & gmask[None, :])
+
+def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
+                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order), -1
+    when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank. Increments the epoch
+    seq_1 (int32 [1]) on the device. ids_TK: int32/int64 [T, K] global ids, -1 none. No host sync."""
+    T, K = ids_TK.shape
+    R = world_size
+    slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
+    counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
+    BLOCK_R = triton.next_power_of_2(R)
+    _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
+                               BLOCK_T=4096 // BLOCK_R, BLOCK_R=BLOCK_R, num_warps=8)
+    return slot_TR, counts_R
 
 
 def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
@@ -176,8 +341,8 @@ def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
         peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"], peers["recv_ids"], peers["recv_w"],
         peers["recv_count"], peers["dispatch_flag"], T, rank,
         R=R, C=capacity, D=D, K=K, L=num_local_experts, G=G, FP8=fp8,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_K=triton.next_power_of_2(K), PROGRAMS=launch.programs,
-        num_warps=launch.num_warps)
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D),
+        PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> None:
@@ -197,8 +362,8 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
     R = counts_R.shape[0]
     _combine_send_kernel[(launch.programs,)](
         y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
-        R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), PROGRAMS=launch.programs,
-        num_warps=launch.num_warps)
+        R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D),
+        PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
@@ -207,8 +372,60 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
     T = slot_TR.shape[0]
     out_TD = torch.empty(T, D, dtype=comb_2RCD.dtype, device=comb_2RCD.device)
     if T:
-        programs = max(1, min(T, 4 * launch.programs))
+        rows = launch.rows(D)
+        programs = max(1, min(-(-T // rows), launch.copy_programs))
         _combine_reduce_kernel[(programs,)](
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
-            PROGRAMS=programs, num_warps=launch.num_warps)
+            ROWS=rows, PROGRAMS=programs, num_warps=launch.num_warps)
     return out_TD
+
+
+def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
+                 num_local_experts: int) -> torch.Tensor:
+    """Per block of received rows, pairs of each local expert: int32 [B, L] (no host sync).
+
+    recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r].
+    """
+    _, R, C, K = recv_ids.shape
+    L, NB = num_local_experts, blocks.blocks_per_rank
+    table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, R=R, C=C, K=K, L=L, NB=NB,
+                                  BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
+                                  BLOCK_L=triton.next_power_of_2(L), num_warps=4)
+    return table_BL
+
+
+def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
+                 start_BL: torch.Tensor, blocks: LayoutBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos_PK int32 [P, K] (batch row of each received pair, -1 none) and weights_PK float32 [P, K]; rows
+    past a source's count are left unset. start_BL: int32 [B, L], the batch row of each block's first
+    pair of each expert."""
+    _, R, C, K = recv_ids.shape
+    L = start_BL.shape[1]
+    dev = recv_ids.device
+    pos_PK = torch.empty(R * C, K, dtype=torch.int32, device=dev)
+    weights_PK = torch.empty(R * C, K, dtype=torch.float32, device=dev)
+    _layout_place_kernel[(R, blocks.blocks_per_rank)](
+        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, R=R, C=C, K=K, L=L,
+        NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
+    return pos_PK, weights_PK
+
+
+def scatter_rows(recv_x: torch.Tensor, recv_scale: torch.Tensor | None, recv_count: torch.Tensor,
+                 seq_1: torch.Tensor, pos_PK: torch.Tensor, rows: int,
+                 launch: HtLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch: x [rows, D] (and x_scale [rows, G] float32 when recv_scale is given), batch row
+    pos_PK[p, k] = received row p (of parity seq_1 % 2). recv_x: [2, R, C, D]; recv_scale: [2, R, C, G].
+    Rows no pair maps to (past the valid rows) are left unset."""
+    _, R, C, D = recv_x.shape
+    K = pos_PK.shape[1]
+    x = torch.empty(rows, D, dtype=recv_x.dtype, device=recv_x.device)
+    fp8 = recv_scale is not None
+    G = recv_scale.shape[-1] if fp8 else 1
+    x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_x.device) if fp8 else None
+    if rows:
+        _scatter_rows_kernel[(launch.copy_programs,)](
+            x, x_scale if fp8 else x, pos_PK, recv_count, seq_1, recv_x, recv_scale if fp8 else recv_x, C,
+            R=R, D=D, K=K, G=G, FP8=fp8, ROWS=launch.rows(D), BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_G=triton.next_power_of_2(G), PROGRAMS=launch.copy_programs, num_warps=launch.num_warps)
+    return x, x_scale

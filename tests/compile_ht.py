@@ -1,0 +1,81 @@
+"""Compile the `ht` kernels for sm_90 without a GPU (ptxas ships with triton), with the launch configs the
+launchers pick on an H200 (132 SMs) for the benchmark shape (D 7168, K 8, L 128; bf16 and fp8) and a small
+one; fails on compiler errors, register spills, and on 16-byte vector accesses missing from the row
+copies of the benchmark shape. Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this
+Triton's compiler cannot be driven this way (skip)."""
+import sys
+
+import triton
+
+from compile_hopper import compile_hopper, spill_bytes
+from epmoe.kernels import ht as k
+
+SMS = 132
+
+
+def check(tag, kernel, failures, vector):
+    ptx = kernel.asm["ptx"]
+    spills, v4 = spill_bytes(kernel), ptx.count("st.global.v4")
+    print(f"{tag}: spills {spills} B, 16-byte stores {v4}")
+    if spills:
+        failures.append(f"{tag}: {spills} B of register spills")
+    if vector and not v4:
+        failures.append(f"{tag}: no 16-byte vector stores")
+
+
+def main() -> None:
+    failures = []
+    launch = k.HtLaunch(programs=SMS, num_warps=8, copy_programs=4 * SMS)
+    for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
+        warps = 8 if D * 2 >= 4096 else 4
+        G = -(-D // 128)
+        for fp8 in (False, True):
+            dt = "fp8e4nv" if fp8 else "bf16"
+            check(f"dispatch_send D{D} {dt}", compile_hopper(
+                k._dispatch_send_kernel,
+                dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
+                     recv_x_peers="*i64", recv_scale_peers="*i64", recv_ids_peers="*i64", recv_w_peers="*i64",
+                     recv_count_peers="*i64", flag_peers="*i64", T="i32", rank="i32", C="i32"),
+                dict(R=2, D=D, K=K, L=L, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G),
+                     BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D), PROGRAMS=SMS),
+                ["x_ptr", "ids_ptr", "w_ptr", "slot_ptr"], warps, 1), failures, big)
+            check(f"scatter D{D} {dt}", compile_hopper(
+                k._scatter_rows_kernel,
+                dict(x_ptr=f"*{dt}", x_scale_ptr="*fp32", pos_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
+                     recv_ptr=f"*{dt}", recv_scale_ptr="*fp32", C="i32"),
+                dict(R=2, D=D, K=K, G=G, FP8=fp8, ROWS=launch.rows(D), BLOCK_D=triton.next_power_of_2(D),
+                     BLOCK_G=triton.next_power_of_2(G), PROGRAMS=launch.copy_programs),
+                ["x_ptr", "x_scale_ptr", "pos_ptr", "recv_ptr", "recv_scale_ptr"], warps, 1), failures, big)
+        check(f"combine_send D{D} K{K}", compile_hopper(
+            k._combine_send_kernel,
+            dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", comb_peers="*i64",
+                 flag_peers="*i64", rank="i32", C="i32"),
+            dict(R=2, D=D, K=K, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
+            ["y_ptr", "pos_ptr", "w_ptr"], warps, 1), failures, big)
+        check(f"combine_reduce D{D}", compile_hopper(
+            k._combine_reduce_kernel,
+            dict(out_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", comb_ptr="*bf16", T="i32", C="i32"),
+            dict(R=2, D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=launch.copy_programs),
+            ["out_ptr", "slot_ptr", "comb_ptr"], warps, 1), failures, big)
+        blocks = k.layout_blocks(4096, K)
+        common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
+        check(f"layout_count K{K} L{L}", compile_hopper(
+            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32", C="i32",
+                                         NB="i32"),
+            dict(common, BLOCK_L=triton.next_power_of_2(L)), ["ids_ptr", "table_ptr"], 4, 1), failures, False)
+        check(f"layout_place K{K} L{L}", compile_hopper(
+            k._layout_place_kernel,
+            dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",
+                 w_out_ptr="*fp32", C="i32", NB="i32"),
+            common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr"], 4, 1), failures, False)
+        check(f"number_pairs K{K}", compile_hopper(
+            k._number_pairs_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", T="i32"),
+            dict(R=2, K=K, L=L, BLOCK_T=2048, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 8, 1), failures, False)
+    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
+    if failures:
+        print("\n".join(failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
