@@ -34,7 +34,7 @@ Protocol (per call; every kernel runs on the caller's current stream):
      ExpertBatch views them, no copy.
   3. combine_send (1 kernel, fixed grid of item programs x column chunks): for each (source rank s,
      token t < src_tokens[s]) the rows this rank holds are stored into s's comb (per slot, or
-     weighted and summed here for "reduce"); each program that had work signals every rank.
+     weighted and summed here for "reduce"); then every program signals every rank.
   4. combine_recv (1 kernel, one program per (token, column chunk)): waits for the combine signals,
      sums the rows in float32 (weights applied here for "source").
 Why the buffers can be reused without a second copy: a peer writes this rank's recv_x, cnt, idx,

@@ -11,7 +11,7 @@ Kernels (the protocol they implement is described in epmoe/dispatch/ll.py):
   dispatch_recv: one program; the receive step alone (the split dispatch_send / dispatch_recv path).
   combine_send: a fixed grid (item programs x column chunks) striding over (source token, source
       rank); stores each slot's row (or the weighted sum of the slots held here) into the source
-      rank's combine buffer, then signals every rank.
+      rank's combine buffer; then every program signals every rank.
   combine_recv: one program per (token, column chunk); waits for the signals and sums in float32.
 
 Signals: signal[slot] (slot 0 dispatch, 1 combine) on every rank only grows. In each call every rank
@@ -46,8 +46,8 @@ class LLLaunch:
         dispatch kernel (one program per token: fewer, larger steps mean fewer serial load latencies).
     comb_chunk / comb_warps: columns per program and warps of combine_send / combine_recv (each
         program handles one column chunk, so a row is spread over cdiv(D, comb_chunk) programs).
-    combine_programs: programs of combine_send along the item axis (it strides over R * Tmax
-        (token, rank) items).
+    combine_programs: programs of combine_send along the item axis (about 2 per SM in all, one
+        wave); they stride over the R * Tmax (token, rank) items.
     interpret: running under the Triton interpreter (CPU tensors): exact fp8 rounding path, and
         waits count polls instead of reading the GPU clock.
     """
@@ -68,7 +68,7 @@ def ll_launch(hidden_size: int, world_size: int, max_tokens: int, device: torch.
     chunks = triton.cdiv(hidden_size, comb_chunk)
     return LLLaunch(send_chunk=send_chunk, send_warps=8 if send_chunk >= 1024 else 4,
                     comb_chunk=comb_chunk, comb_warps=8 if comb_chunk >= 1024 else 4,
-                    combine_programs=max(1, min(world_size * max_tokens, 4 * sms // chunks)),
+                    combine_programs=max(1, min(world_size * max_tokens, 2 * sms // chunks)),
                     interpret=device.type == "cpu")
 
 
@@ -256,9 +256,9 @@ def _combine_send_kernel(
                 else:
                     tl.store(comb + (t * K + ks).to(tl.int64)[:, None] * D + cols[None, :], tile, mask=m2)
     tl.debug_barrier()
-    rows = tl.maximum(tl.minimum(nprog, n_items), 1)  # item programs that had work (at least one)
-    if pid < rows:
-        _signal(sig_ptr, sig_dR, 1, rank, R, pid * nchunk + c, rows * nchunk)
+    # Every program signals, idle ones too: a peer may rewrite src_tokens, idx and wtab (its next
+    # dispatch) once this call's signal is complete, so no program may still be about to read them.
+    _signal(sig_ptr, sig_dR, 1, rank, R, pid * nchunk + c, nprog * nchunk)
 
 
 @triton.jit(do_not_specialize=["T"])
