@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from epmoe.config import MoEConfig
 from epmoe.dispatch.ll import LLDispatcher
@@ -255,9 +256,23 @@ def test_refuses_bad_input():
         d.dispatch_send(x[:2], ids[:2] + 4, w[:2])
     with pytest.raises(ValueError, match="combine must be one of"):
         LLDispatcher(cfg, EmulatedGroup.world(2)[0], combine="dest")
+    with pytest.raises(ValueError, match="wait_timeout_s"):
+        LLDispatcher(cfg, EmulatedGroup.world(2)[0], wait_timeout_s=0)
     assert LLDispatcher.availability(cfg, None)[0] is False
     cfg5 = MoEConfig(num_experts=5, top_k=2, hidden_size=128, intermediate_size=8)
     assert LLDispatcher.availability(cfg5, EmulatedGroup.world(2)[0])[0] is False
+
+
+def test_emulated_wait_times_out_instead_of_hanging():
+    """A rank whose peer never sends: its wait gives up after wait_timeout_s and sets the flag; later
+    waits then return at once."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=8, max_tokens_per_rank=2)
+    d0 = [LLDispatcher(cfg, g, device=EMU_DEVICE, wait_timeout_s=1e-3) for g in EmulatedGroup.world(2)][0]
+    x, ids, w = (t.to(EMU_DEVICE) for t in make_inputs(cfg, 2, [2, 2], seed=5)[0])
+    assert not d0.timed_out()
+    batch = d0.dispatch_recv(d0.dispatch_send(x, ids, w))  # rank 1 never sends
+    assert d0.timed_out()
+    d0.combine_recv(d0.combine_send(fake_experts(cfg, batch, 0), batch))  # returns, no spinning
 
 
 # ---- two real ranks (2 GPUs) -------------------------------------------------------------------
@@ -343,7 +358,6 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
     """All cases in one launch (each launch costs process start-up and NCCL set-up). `cases`: a list of
     (case, split) with replays > 0 (graph test), else of cases (eager test). After each case the ranks
     agree whether either timed out, and then stop together with a clear message."""
-    import torch.distributed as dist
     errors = []
     for item in cases:
         case, split = item if replays else (item, False)
