@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from epmoe.config import MoEConfig
 from epmoe.dispatch.ll import LLDispatcher
@@ -72,18 +73,18 @@ def fake_experts(cfg: MoEConfig, batch, first_expert: int) -> torch.Tensor:
     return y.to(cfg.dtype)
 
 
-def expected_rows(cfg: MoEConfig, R: int, inputs, dest: int) -> list[torch.Tensor]:
-    """Per local expert of rank `dest`: float32 [n, D] rows it must receive (any order)."""
+def sent_rows(cfg: MoEConfig, R: int, inputs, dest: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rank `dest` must receive, on `device`: (local expert [n] int64, rows [n, D] float32 as the
+    experts see them), in no particular order. References are computed on the CPU (as_sent)."""
     L = cfg.num_experts // R
-    rows = [[] for _ in range(L)]
+    experts, rows = [], []
     for x, ids, _ in inputs:
-        xs = as_sent(cfg, x)
-        for t, k in (ids >= 0).nonzero().tolist():
-            e = int(ids[t, k])
-            if e // L == dest:
-                rows[e - dest * L].append(xs[t])
-    D = cfg.hidden_size
-    return [torch.stack(r) if r else torch.zeros(0, D) for r in rows]
+        t, k = (ids >= 0).nonzero(as_tuple=True)
+        e = ids[t, k].long()
+        mine = e // L == dest
+        experts.append((e[mine] - dest * L).to(device))
+        rows.append(as_sent(cfg, x).to(device)[t[mine].to(device)])
+    return torch.cat(experts), torch.cat(rows)
 
 
 def expected_out(cfg: MoEConfig, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -99,26 +100,40 @@ def expected_out(cfg: MoEConfig, x: torch.Tensor, ids: torch.Tensor, w: torch.Te
     return out
 
 
-def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
-    key = rows.double() @ torch.linspace(1.0, 2.0, rows.shape[1], dtype=torch.float64)
-    return rows[key.argsort()]
+def _canonical(experts: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (expert, row) pairs by expert, then by a random projection of the row (a multiset's order)."""
+    g = torch.Generator().manual_seed(0)
+    proj = torch.rand(rows.shape[1], generator=g, dtype=torch.float64).to(rows.device)
+    order = (rows.double() * proj).sum(dim=1).argsort(stable=True)
+    order = order[experts[order].argsort(stable=True)]
+    return experts[order], rows[order]
 
 
 def check_batch(cfg: MoEConfig, R: int, inputs, dest: int, batch) -> list[str]:
-    """Compare one rank's ExpertBatch with the expected rows; returns failure messages."""
-    errors = []
-    exp = expected_rows(cfg, R, inputs, dest)
-    counts = batch.counts_L.cpu()
-    got_counts = [len(e) for e in exp]
-    if counts.tolist() != got_counts:
-        return [f"rank {dest}: counts {counts.tolist()} != expected {got_counts}"]
-    for l, e in enumerate(exp):
-        n = len(e)
-        x = batch.x[l, :n].cpu()
-        got = x.float() if batch.x_scale is None else dequantize_act_ref(x, batch.x_scale[l, :n].cpu())
-        if not torch.equal(_sorted_rows(got), _sorted_rows(e)):
-            errors.append(f"rank {dest}: rows of local expert {l} differ")
-    return errors
+    """Compare one rank's ExpertBatch with what the senders hold, exactly, as a multiset of rows per
+    expert; vectorized on the batch's device. Returns failure messages."""
+    dev = batch.x.device
+    exp_e, exp_rows = sent_rows(cfg, R, inputs, dest, dev)
+    L, M = batch.x.shape[:2]
+    counts = batch.counts_L.long()
+    want = torch.bincount(exp_e, minlength=L)
+    if not torch.equal(counts, want):
+        bad = (counts != want).nonzero()[:, 0].tolist()[:5]
+        return [f"rank {dest}: counts differ at local experts {bad}: got {counts[bad].tolist()}, "
+                f"want {want[bad].tolist()}"]
+    held = torch.arange(M, device=dev)[None, :] < counts[:, None]
+    got_e = held.nonzero()[:, 0]
+    if batch.x_scale is None:
+        got_rows = batch.x[held].float()
+    else:  # index the fp8 bytes (indexing float8 tensors is not implemented everywhere)
+        q = batch.x.view(torch.uint8)[held].view(batch.x.dtype)
+        got_rows = dequantize_act_ref(q, batch.x_scale[held])
+    exp_e, exp_rows = _canonical(exp_e, exp_rows)
+    got_e, got_rows = _canonical(got_e, got_rows)
+    if not torch.equal(got_rows, exp_rows):
+        bad = sorted(set(exp_e[(got_rows != exp_rows).any(dim=1)].tolist()))[:5]
+        return [f"rank {dest}: rows of local experts {bad} differ"]
+    return []
 
 
 def check_out(cfg: MoEConfig, inputs, src: int, out: torch.Tensor, combine: str) -> list[str]:
@@ -129,7 +144,7 @@ def check_out(cfg: MoEConfig, inputs, src: int, out: torch.Tensor, combine: str)
     try:
         torch.testing.assert_close(out.cpu().float(), ref, rtol=tol, atol=tol)
     except AssertionError as exc:
-        return [f"rank {src}: combine output: {exc}"]
+        return [f"rank {src}: combine output: {str(exc)[:300]}"]
     return []
 
 
@@ -241,88 +256,121 @@ def test_refuses_bad_input():
         d.dispatch_send(x[:2], ids[:2] + 4, w[:2])
     with pytest.raises(ValueError, match="combine must be one of"):
         LLDispatcher(cfg, EmulatedGroup.world(2)[0], combine="dest")
+    with pytest.raises(ValueError, match="wait_timeout_s"):
+        LLDispatcher(cfg, EmulatedGroup.world(2)[0], wait_timeout_s=0)
     assert LLDispatcher.availability(cfg, None)[0] is False
     cfg5 = MoEConfig(num_experts=5, top_k=2, hidden_size=128, intermediate_size=8)
     assert LLDispatcher.availability(cfg5, EmulatedGroup.world(2)[0])[0] is False
 
 
+def test_emulated_wait_times_out_instead_of_hanging():
+    """A rank whose peer never sends: its wait gives up after wait_timeout_s and sets the flag; later
+    waits then return at once."""
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=8, max_tokens_per_rank=2)
+    d0 = [LLDispatcher(cfg, g, device=EMU_DEVICE, wait_timeout_s=1e-3) for g in EmulatedGroup.world(2)][0]
+    x, ids, w = (t.to(EMU_DEVICE) for t in make_inputs(cfg, 2, [2, 2], seed=5)[0])
+    assert not d0.timed_out()
+    batch = d0.dispatch_recv(d0.dispatch_send(x, ids, w))  # rank 1 never sends
+    assert d0.timed_out()
+    d0.combine_recv(d0.combine_send(fake_experts(cfg, batch, 0), batch))  # returns, no spinning
+
+
 # ---- two real ranks (2 GPUs) -------------------------------------------------------------------
 
 GPU_CASES = [
-    # (E, K, D, Tmax, quant, combine)
+    # (E, K, D, Tmax, quant, combine): DeepSeek-V3 and Qwen3-30B-A3B layer shapes, and an odd small one
     (256, 8, 7168, 128, "fp8_block", "reduce"),
-    (256, 8, 7168, 128, "fp8_block", "source"),
-    (128, 8, 2048, 256, None, "reduce"),
     (128, 8, 2048, 256, None, "source"),
-    (6, 3, 200, 33, "fp8_block", "reduce"),
-    (6, 3, 200, 33, None, "source"),
+    (6, 3, 200, 33, "fp8_block", "source"),
+    (6, 3, 200, 33, None, "reduce"),
 ]
+GRAPH_CASES = [(GPU_CASES[0], False), (GPU_CASES[1], True), (GPU_CASES[2], True)]  # (case, split phases)
+WAIT_TIMEOUT_S = 10.0  # device-side waits give up after this (the ranks compile the same kernels at once)
+SPAWN_TIMEOUT_S = 150.0  # the whole 2-rank run, so a hang fails the test instead of stalling it
 
 
-def _gpu_worker(ctx, case, replays: int) -> list[str]:
-    E, K, D, Tmax, quant, combine = case
-    R, dev = ctx.world_size, ctx.device
-    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
-                    max_tokens_per_rank=Tmax)
-    d = make_dispatcher("ll", cfg, ctx.group, combine=combine)
+def _call(d: LLDispatcher, cfg: MoEConfig, x, ids, w, split: bool):
+    """One dispatch + fake experts + combine, through the fused calls or the four phases."""
+    if split:
+        batch = d.dispatch_recv(d.dispatch_send(x, ids, w))
+        return batch, d.combine_recv(d.combine_send(fake_experts(cfg, batch, d.first_expert), batch))
+    batch = d.dispatch(x, ids, w)
+    return batch, d.combine(fake_experts(cfg, batch, d.first_expert), batch)
+
+
+def _timed_out(d: LLDispatcher, where: str, rank: int) -> list[str]:
+    return [f"rank {rank}: a device-side wait timed out ({WAIT_TIMEOUT_S} s) {where}"] if d.timed_out() else []
+
+
+def _gpu_eager(ctx, d: LLDispatcher, cfg: MoEConfig) -> list[str]:
+    """Consecutive calls with 0, 1, Tmax/2+1 and Tmax tokens, skew, fused and split phases in turn."""
+    R, Tmax = ctx.world_size, cfg.max_tokens_per_rank
     errors = []
-    # Eager: consecutive calls with changing token counts (incl. 0 and 1) and skewed routing.
-    token_sets = [[Tmax] * R, [0] + [1] * (R - 1), [Tmax // 2 + 1] * R, [Tmax] * R]
-    for i, tokens in enumerate(token_sets):
+    for i, tokens in enumerate([[Tmax] * R, [0] + [1] * (R - 1), [Tmax // 2 + 1] * R, [Tmax] * R]):
         inputs = make_inputs(cfg, R, tokens, seed=100 + i, skew=(i == 2))
-        x, ids, w = (t.to(dev) for t in inputs[ctx.rank])
-        batch = d.dispatch(x, ids, w)
-        errors += check_batch(cfg, R, inputs, ctx.rank, batch)
-        out = d.combine(fake_experts(cfg, batch, d.first_expert), batch)
-        errors += check_out(cfg, inputs, ctx.rank, out, combine)
-    if d.timed_out():
-        return errors + [f"rank {ctx.rank}: a device-side wait timed out"]
-    if not replays:
-        return errors
-    # One captured graph, replayed with new routing; unused tokens are marked by ids = -1.
+        x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
+        batch, out = _call(d, cfg, x, ids, w, split=i % 2 == 1)
+        timeout = _timed_out(d, f"in eager call {i}", ctx.rank)
+        if timeout:
+            return errors + timeout
+        errors += [f"eager call {i}: {e}" for e in check_batch(cfg, R, inputs, ctx.rank, batch)
+                   + check_out(cfg, inputs, ctx.rank, out, d.combine_mode)]
+    return errors
+
+
+def _gpu_graph(ctx, d: LLDispatcher, cfg: MoEConfig, replays: int, split: bool) -> list[str]:
+    """One captured graph, replayed with new routing and active token counts (unused tokens: ids -1);
+    every replay checked."""
+    R, Tmax, D, K, dev = ctx.world_size, cfg.max_tokens_per_rank, cfg.hidden_size, cfg.top_k, ctx.device
     x_s = torch.zeros(Tmax, D, dtype=cfg.dtype, device=dev)
     ids_s = torch.full((Tmax, K), -1, dtype=torch.int32, device=dev)
     w_s = torch.ones(Tmax, K, device=dev)
-
-    def step():
-        b = d.dispatch(x_s, ids_s, w_s)
-        return b, d.combine(fake_experts(cfg, b, d.first_expert), b)
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
+    with torch.cuda.stream(side):  # warm-up call outside capture (every rank makes it)
+        _call(d, cfg, x_s, ids_s, w_s, split)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        batch_g, out_g = step()
+        batch_g, out_g = _call(d, cfg, x_s, ids_s, w_s, split)
     g = torch.Generator().manual_seed(1234)
+    errors = []
     for i in range(replays):
-        active = [int(torch.randint(0, Tmax + 1, (1,), generator=g)) for _ in range(R)]
-        if i % 10 == 0:
-            active = [Tmax] * R
+        active = [Tmax] * R if i % 10 == 0 else [int(torch.randint(0, Tmax + 1, (1,), generator=g)) for _ in range(R)]
         inputs = make_inputs(cfg, R, [Tmax] * R, seed=1000 + i, skew=(i % 7 == 3))
-        for r in range(R):  # tokens past `active` are unused: all ids -1
+        for r in range(R):
             inputs[r][1][active[r]:] = -1
         x, ids, w = inputs[ctx.rank]
         x_s.copy_(x)
         ids_s.copy_(ids)
         w_s.copy_(w)
         graph.replay()
-        torch.cuda.synchronize()
-        errs = check_batch(cfg, R, inputs, ctx.rank, batch_g) + check_out(cfg, inputs, ctx.rank, out_g, combine)
-        errors += [f"replay {i}: {e}" for e in errs][:max(0, 20 - len(errors))]
-        # no early exit: both ranks must replay the same number of times
-    if d.timed_out():
-        errors.append(f"rank {ctx.rank}: a device-side wait timed out during the replays")
+        timeout = _timed_out(d, f"in replay {i}", ctx.rank)  # a host sync
+        if timeout:
+            return errors + timeout
+        errs = check_batch(cfg, R, inputs, ctx.rank, batch_g) + check_out(cfg, inputs, ctx.rank, out_g,
+                                                                          d.combine_mode)
+        errors += [f"replay {i} (active {active}): {e}" for e in errs][:max(0, 10 - len(errors))]
     return errors
 
 
 def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
-    """All cases in one launch (each launch costs process start-up and NCCL set-up)."""
+    """All cases in one launch (each launch costs process start-up and NCCL set-up). `cases`: a list of
+    (case, split) with replays > 0 (graph test), else of cases (eager test). After each case the ranks
+    agree whether either timed out, and then stop together with a clear message."""
     errors = []
-    for case in cases:
-        errors += [f"{case}: {e}" for e in _gpu_worker(ctx, case, replays)]
+    for item in cases:
+        case, split = item if replays else (item, False)
+        E, K, D, Tmax, quant, combine = case
+        cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
+                        max_tokens_per_rank=Tmax)
+        d = make_dispatcher("ll", cfg, ctx.group, combine=combine, wait_timeout_s=WAIT_TIMEOUT_S)
+        errs = _gpu_graph(ctx, d, cfg, replays, split) if replays else _gpu_eager(ctx, d, cfg)
+        errors += [f"{case}{' split' if split else ''}: {e}" for e in errs]
+        flag = torch.tensor([int(d.timed_out())], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            return errors + [f"{case}: stopped after a device-side wait timed out on some rank"]
     return errors
 
 
@@ -333,17 +381,20 @@ def _run_two_gpus(cases, replays: int) -> None:
     for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                      ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
         os.environ.setdefault(key, val)
-    results = spawn(_gpu_cases_worker, nprocs=2, device="cuda", args=(cases, replays))
-    assert results == [[], []]
+    results = spawn(_gpu_cases_worker, nprocs=2, device="cuda", args=(cases, replays),
+                    timeout_s=SPAWN_TIMEOUT_S)
+    assert results == [[], []], "\n".join(e for rank_errors in results for e in rank_errors)
 
 
 @pytest.mark.gpu
 def test_two_gpus_eager():
-    """Exact checks, random data, consecutive calls with 0, 1, Tmax/2+1 and Tmax tokens, skew."""
+    """Exact checks, random data, consecutive calls with 0, 1, Tmax/2+1 and Tmax tokens, skew; both
+    combine modes, fp8 and bf16 dispatch, the fused calls and the split phases."""
     _run_two_gpus(GPU_CASES, replays=0)
 
 
 @pytest.mark.gpu
 def test_two_gpus_graph_replays():
-    """One captured graph per case, 100 replays with new routing and active token counts."""
-    _run_two_gpus([GPU_CASES[0], GPU_CASES[3], GPU_CASES[4]], replays=100)
+    """One captured graph per case (fused or split phases), 100 replays with new routing and active
+    token counts, every replay checked."""
+    _run_two_gpus(GRAPH_CASES, replays=100)

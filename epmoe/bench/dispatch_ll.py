@@ -5,9 +5,9 @@ the same run.
     (env: NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1)
 
 What is timed (CUDA events, median over iterations, microseconds, the slower of the two ranks):
-  ll: one CUDA graph for dispatch (send + receive) and one for combine (send + receive), replayed
+  ll: one CUDA graph for dispatch (the fused kernel) and one for combine (send + receive), replayed
       alternately after a sleep kernel that lets the host queue ahead; each time includes one graph
-      launch on the GPU side. "pair/graph" is a graph of 16 (dispatch, combine) pairs divided by 16,
+      launch on the GPU side. "split" times dispatch_send + dispatch_recv (two kernels) the same way. "pair/graph" is a graph of 16 (dispatch, combine) pairs divided by 16,
       the cost a layer pays inside a whole-model decode graph. fp8 dispatch, bf16 combine, both
       combine modes ("reduce", "source").
   alltoall / ht: eager calls (they sync with the host), ranks aligned by a barrier before each call;
@@ -64,10 +64,14 @@ def _time_ll(d, cfg: MoEConfig, T: int, rank: int, iters: int) -> dict[str, floa
     with torch.cuda.stream(side):  # warm up (compiles) outside capture
         for _ in range(3):
             d.combine(y, d.dispatch(x, ids, w))
+            d.combine(y, d.dispatch_recv(d.dispatch_send(x, ids, w)))  # compiles the split path too
     torch.cuda.current_stream().wait_stream(side)
     g_dispatch, g_combine, g_pairs = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    g_split = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_dispatch):
         batch = d.dispatch(x, ids, w)
+    with torch.cuda.graph(g_split):
+        d.dispatch_recv(d.dispatch_send(x, ids, w))
     with torch.cuda.graph(g_combine):
         d.combine(y, batch)
     with torch.cuda.graph(g_pairs):
@@ -88,6 +92,15 @@ def _time_ll(d, cfg: MoEConfig, T: int, rank: int, iters: int) -> dict[str, floa
         e2.record()
     torch.cuda.synchronize()
     dist.barrier()
+    ev_split = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(iters)]
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    for e0, e1 in ev_split:
+        e0.record()
+        g_split.replay()
+        e1.record()
+        g_combine.replay()  # the same call sequence on every rank: dispatch, combine
+    torch.cuda.synchronize()
+    dist.barrier()
     p0, p1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(_SLEEP_CYCLES)
     p0.record()
@@ -97,6 +110,7 @@ def _time_ll(d, cfg: MoEConfig, T: int, rank: int, iters: int) -> dict[str, floa
     torch.cuda.synchronize()
     return {"dispatch_us": _median_us([(a, b) for a, b, _ in ev]),
             "combine_us": _median_us([(b, c) for _, b, c in ev]),
+            "dispatch_split_us": _median_us([(a, b) for a, b in ev_split]),
             "pair_in_graph_us": p0.elapsed_time(p1) * 1000.0 / (4 * _GRAPH_PAIRS)}
 
 
@@ -182,7 +196,7 @@ def _slowest(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'model':<15}{'T':>5} | {'ll disp':>8}{'comb red':>9}{'comb src':>9}{'pair/gr':>8} | "
+    head = (f"{'model':<15}{'T':>5} | {'ll disp':>8}{'split':>7}{'comb red':>9}{'comb src':>9}{'pair/gr':>8} | "
             f"{'a2a disp':>9}{'a2a comb':>9}{'x disp':>7}{'x comb':>7} | {'ht disp':>8}{'ht comb':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -194,7 +208,8 @@ def _table(rows: list[dict]) -> str:
         ht = r.get("ht")
         ht_cols = f"{ht['dispatch_us']:>8.1f}{ht['combine_us']:>8.1f}" if ht else f"{'-':>8}{'-':>8}"
         lines.append(
-            f"{r['model']:<15}{r['tokens']:>5} | {ll['dispatch_us']:>8.1f}{ll['combine_us']:>9.1f}"
+            f"{r['model']:<15}{r['tokens']:>5} | {ll['dispatch_us']:>8.1f}{ll['dispatch_split_us']:>7.1f}"
+            f"{ll['combine_us']:>9.1f}"
             f"{src['combine_us']:>9.1f}{ll['pair_in_graph_us']:>8.1f} | {a2a['dispatch_us']:>9.1f}"
             f"{a2a['combine_us']:>9.1f}{a2a['dispatch_us'] / ll['dispatch_us']:>7.1f}"
             f"{a2a['combine_us'] / best_comb:>7.1f} | {ht_cols}")

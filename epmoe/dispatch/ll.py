@@ -17,32 +17,34 @@ Buffers (symmetric: the same offsets on every rank, peers reach them through add
     src_tokens [R] int32    T of each source rank in the current call
     comb                    combine results for this rank's tokens: [Tmax, K, D] per slot ("source")
                             or [Tmax, R, D] one pre-summed row per expert rank ("reduce"), cfg.dtype
-    signal [2] int64        dispatch / combine arrivals: each rank adds 1 per call (never reset)
-Own buffers: seq [2] int64 (calls received so far, dispatch / combine), finish [3] int32 (programs
-done in the current grid), counts [L] int32 (the counts_L handed out), route [Tmax, K] int32 (rank
-each slot went to, -1 if none), wloc [Tmax, K] float32 (the weights, for combine="source").
+    signal [2] int64        dispatch / combine arrivals: each rank adds exactly 2^20 per call, spread
+                            over its signalling programs (never reset; see epmoe/kernels/ll.py)
+Own buffers: error [1] int32 (a wait timed out), counts [L] int32 (the counts_L handed out), route
+[Tmax, K] int32 (rank each slot went to, -1 if none), wloc [Tmax, K] float32 (the weights, for
+combine="source").
 
 Protocol (per call; every kernel runs on the caller's current stream):
   1. dispatch_send (1 kernel, one program per token): for each slot with a valid id, a remote
      atomic_add on the destination's cnt[l] returns the row i; the row (quantized in registers for
      fp8) and its scales go straight to the destination's recv_x[l, i]; idx (and wtab) entries go to
-     every rank. The last program to finish adds 1 to every rank's signal[0] (release, system scope).
-  2. dispatch_recv (1 kernel, 1 program): waits until signal[0] >= R * (seq[0] + 1), i.e. every
-     rank's stores of this call have landed, swaps cnt to zero into counts, bumps seq[0].
-     recv_x and counts are fixed tensors: the returned ExpertBatch views them, no copy.
-  3. combine_send (1 kernel, fixed grid): for each (source rank s, token t < src_tokens[s]) the rows
-     this rank holds are stored into s's comb (per slot, or weighted and summed here for "reduce");
-     the last program adds 1 to every rank's signal[1].
-  4. combine_recv (1 kernel, one program per token): waits until signal[1] >= R * (seq[1] + 1), sums
-     the rows in float32 (weights applied here for "source"), bumps seq[1] (the last program does).
+     every rank. Each program then adds its share to every rank's signal[0] (release, system scope).
+  2. dispatch_recv (1 kernel, 1 program): waits until every rank's share of this call has arrived,
+     swaps cnt to zero into counts. `dispatch` fuses 1 and 2: the dispatch kernel's last program
+     does the wait (one kernel per dispatch). recv_x and counts are fixed tensors: the returned
+     ExpertBatch views them, no copy.
+  3. combine_send (1 kernel, fixed grid of item programs x column chunks): for each (source rank s,
+     token t < src_tokens[s]) the rows this rank holds are stored into s's comb (per slot, or
+     weighted and summed here for "reduce"); then every program signals every rank.
+  4. combine_recv (1 kernel, one program per (token, column chunk)): waits for the combine signals,
+     sums the rows in float32 (weights applied here for "source").
 Why the buffers can be reused without a second copy: a peer writes this rank's recv_x, cnt, idx,
 wtab and src_tokens for call n+1 only in its dispatch_send n+1, which its stream orders after its
 combine_recv n, which waited for this rank's combine_send n — by then this rank has finished reading
 all of them for call n (its experts ran before its combine_send) and zeroed cnt (dispatch_recv n).
 Likewise comb is rewritten in call n+1 only after this rank's dispatch_send n+1, which follows its
-combine_recv n. Signals and sequence numbers only grow, so a fast rank never waits on a count that a
-slow rank still has to reset, and graph replays continue the count. Rows past counts_L[l] in
-recv_x[l] are stale (padding): nothing reads them.
+combine_recv n. Signals only grow, so a fast rank never waits on a count that a slow rank still has
+to reset, and graph replays continue the count. Rows past counts_L[l] in recv_x[l] are stale
+(padding): nothing reads them.
 
 Requirements: on each rank, calls run in the order dispatch_send, dispatch_recv, combine_send,
 combine_recv, on one stream, and every rank makes the same calls (T may differ, and may be 0). The
@@ -95,6 +97,10 @@ class LLDispatcher(Dispatcher):
             source applies the weights (no rounding of partial sums, about K / R times the bytes).
         device: where the buffers live (EmulatedGroup only; default CPU). With a process group they
             live on the current CUDA device.
+        wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up
+            and sets the error flag (`timed_out()`); later waits then return at once with garbage
+            results. Generous by default because a peer's first call may still be compiling its
+            kernels; tests set a few seconds so a protocol error fails fast instead of hanging.
 
     Construction is collective over `group` (symmetric allocation). Output batch: x [L, M, D] in
     float8_e4m3fn with x_scale [L, M, G] when cfg.quant == "fp8_block", else cfg.dtype; counts_L [L].
@@ -133,12 +139,15 @@ class LLDispatcher(Dispatcher):
         return True, "ok"
 
     def __init__(self, cfg: MoEConfig, group, combine: str = "reduce",
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, wait_timeout_s: float = 60.0) -> None:
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'll': {reason}")
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
+        if not wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s!r}")
+        self._timeout_ns = int(wait_timeout_s * 1e9)
         super().__init__(cfg, group)
         if isinstance(group, EmulatedGroup):
             self.device = torch.device("cpu" if device is None else device)
@@ -161,8 +170,6 @@ class LLDispatcher(Dispatcher):
             BufferSpec("src_tokens", (R,), torch.int32),
             BufferSpec("comb", (Tmax, R if self.reduce else K, D), cfg.dtype),
             BufferSpec("signal", (2,), torch.int64),
-            BufferSpec("seq", (2,), torch.int64),
-            BufferSpec("finish", (kernels.FINISH_SLOTS,), torch.int32),
             BufferSpec("error", (1,), torch.int32),
             BufferSpec("counts", (L,), torch.int32),
             BufferSpec("route", (Tmax, K), torch.int32),
@@ -193,7 +200,7 @@ class LLDispatcher(Dispatcher):
         return self.world_size * self.cfg.max_tokens_per_rank
 
     def timed_out(self) -> bool:
-        """Whether any device-side wait of this rank gave up (a minute or more without a peer's
+        """Whether any device-side wait of this rank gave up (wait_timeout_s without the peers'
         signal: a peer failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
         return bool(self._buffers.error.item())
 
@@ -207,18 +214,18 @@ class LLDispatcher(Dispatcher):
         (outside capture, check_tokens reads the id range on the host).
         """
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
-        return self._send(x_TD, ids_TK, weights_TK)
+        return self._send(x_TD, ids_TK, weights_TK, receive=False)
 
-    def _send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> LLHandle:
+    def _send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, receive: bool) -> LLHandle:
         T, Tmax = x_TD.shape[0], self.cfg.max_tokens_per_rank
         if T > Tmax:
             raise ValueError(f"dispatcher 'll' takes at most max_tokens_per_rank={Tmax} tokens, got {T}")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the dispatcher's buffers on {self.device}")
-        kernels.dispatch_send(self._buffers, x_TD.contiguous(), ids_TK.contiguous(),
-                              weights_TK.float().contiguous(), rank=self.rank,
-                              num_experts=self.cfg.num_experts, quant=self.quant, reduce=self.reduce,
-                              launch=self._launch)
+        kernels.dispatch(self._buffers, x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous(),
+                         rank=self.rank, num_experts=self.cfg.num_experts, quant=self.quant,
+                         reduce=self.reduce, receive=receive, timeout_ns=self._timeout_ns,
+                         launch=self._launch)
         return LLHandle(num_tokens=T)
 
     def dispatch_recv(self, handle: LLHandle) -> ExpertBatch:
@@ -229,8 +236,11 @@ class LLDispatcher(Dispatcher):
         x[l, :counts_L[l]] in no particular order. x and x_scale hold until this call's combine_send,
         counts_L until the next dispatch_recv.
         """
+        kernels.dispatch_recv(self._buffers, timeout_ns=self._timeout_ns, launch=self._launch)
+        return self._batch(handle)
+
+    def _batch(self, handle: LLHandle) -> ExpertBatch:
         b = self._buffers
-        kernels.dispatch_recv(b)
         return ExpertBatch(layout=Layout.BATCHED, x=b.recv_x, x_scale=b.recv_scale if self.quant else None,
                            counts_L=b.counts, offsets_L1=None, handle=handle)
 
@@ -254,11 +264,13 @@ class LLDispatcher(Dispatcher):
         accumulation; a token with no expert gets zeros.
         """
         out_TD = torch.empty(handle.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
-        kernels.combine_recv(self._buffers, out_TD, reduce=self.reduce, launch=self._launch)
+        kernels.combine_recv(self._buffers, out_TD, reduce=self.reduce, timeout_ns=self._timeout_ns,
+                             launch=self._launch)
         return out_TD
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:  # inputs already checked by dispatch
-        return self.dispatch_recv(self._send(x_TD, ids_TK, weights_TK))
+        # One kernel: dispatch_send and dispatch_recv fused (the last program waits).
+        return self._batch(self._send(x_TD, ids_TK, weights_TK, receive=True))
 
     def _combine(self, y, batch) -> torch.Tensor:
         return self.combine_recv(self.combine_send(y, batch))

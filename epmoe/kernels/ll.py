@@ -3,15 +3,24 @@
 Shape letters: T tokens on this rank, D hidden size, K top-k, E global experts, L local experts,
 R ranks, Tmax = cfg.max_tokens_per_rank, M = R * Tmax rows per expert slot, G = ceil(D / 128).
 
-Four kernels, one per phase (the protocol they implement is described in epmoe/dispatch/ll.py):
-  dispatch_send: one program per token; remote atomic_add on the destination expert's counter gives
+Kernels (the protocol they implement is described in epmoe/dispatch/ll.py):
+  dispatch: one program per token; remote atomic_add on the destination expert's counter gives
       the row; the row (fp8-quantized in registers when asked) is stored straight into the peer's
-      recv_x; the last program to finish signals every rank (release, system scope).
-  dispatch_recv: one program; waits for R signals, moves the counters out (counts_L) and zeroes them.
-  combine_send: a fixed grid striding over (source token, source rank); stores each slot's row (or
-      the weighted sum of the slots held here) into the source rank's combine buffer; the last
-      program signals every rank.
-  combine_recv: one program per token; waits for R signals and sums the rows in float32.
+      recv_x; every program then signals every rank. With RECEIVE (the fused `dispatch` path) the
+      last program also waits for every rank's signals and moves the counters out (counts_L).
+  dispatch_recv: one program; the receive step alone (the split dispatch_send / dispatch_recv path).
+  combine_send: a fixed grid (item programs x column chunks) striding over (source token, source
+      rank); stores each slot's row (or the weighted sum of the slots held here) into the source
+      rank's combine buffer; then every program signals every rank.
+  combine_recv: one program per (token, column chunk); waits for the signals and sums in float32.
+
+Signals: signal[slot] (slot 0 dispatch, 1 combine) on every rank only grows. In each call every rank
+adds exactly SIGNAL_UNIT to every rank's signal[slot], split over the programs that signal (program
+0 adds SIGNAL_UNIT - (n - 1), the n - 1 others 1 each, each with release semantics at system scope
+after its own stores). A receiver that has already added its own share of call n reads a value in
+(R * SIGNAL_UNIT * (n - 1), R * SIGNAL_UNIT * n] (no rank can add for call n + 1 before this rank's
+next call), so it waits for the next multiple of R * SIGNAL_UNIT: no sequence numbers, no finish
+counters, nothing to reset, and graph replays continue the count.
 
 Launchers validate nothing: the dispatcher (their only caller) owns the buffers and checks inputs.
 """
@@ -25,37 +34,41 @@ import triton.language as tl
 
 from ..config import FP8_BLOCK
 
-# signal [2] and seq [2] hold slot 0 for dispatch, slot 1 for combine.
-FINISH_SLOTS = 3  # int32 finish counters: dispatch_send, combine_send, combine_recv
-SPIN_LIMIT = tl.constexpr(1 << 27)  # polls (a minute or more) before a wait gives up and flags an error
+_SIGNAL_UNIT = 1 << 20  # what each rank adds per call to each signal; larger than any grid
+SIGNAL_UNIT = tl.constexpr(_SIGNAL_UNIT)
 
 
 @dataclass(frozen=True)
 class LLLaunch:
     """Launch settings of the `ll` kernels for one shape on one device.
 
-    chunk: columns each inner step moves (a multiple of 128, a power of two).
-    num_warps: warps per program.
-    combine_programs: grid of combine_send (it strides over R * Tmax (token, rank) items).
-    interpret: running under the Triton interpreter (CPU tensors); turns on an exact fp8 rounding path
-        that works around the interpreter's float8 cast.
+    send_chunk / send_warps: columns per inner step (a power of two >= 128) and warps of the
+        dispatch kernel (one program per token: fewer, larger steps mean fewer serial load latencies).
+    comb_chunk / comb_warps: columns per program and warps of combine_send / combine_recv (each
+        program handles one column chunk, so a row is spread over cdiv(D, comb_chunk) programs).
+    combine_programs: programs of combine_send along the item axis (about 2 per SM in all, one
+        wave); they stride over the R * Tmax (token, rank) items.
+    interpret: running under the Triton interpreter (CPU tensors): exact fp8 rounding path, and
+        waits count polls instead of reading the GPU clock.
     """
 
-    chunk: int
-    num_warps: int
+    send_chunk: int
+    send_warps: int
+    comb_chunk: int
+    comb_warps: int
     combine_programs: int
     interpret: bool
 
 
 def ll_launch(hidden_size: int, world_size: int, max_tokens: int, device: torch.device) -> LLLaunch:
     """Launch settings as a pure function of (D, R, Tmax, device)."""
-    chunk = min(1024, max(FP8_BLOCK, triton.next_power_of_2(hidden_size)))
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
-    return LLLaunch(chunk=chunk, num_warps=8 if chunk >= 1024 else 4,
-                    combine_programs=max(1, min(world_size * max_tokens, 2 * sms)),
+    width = max(FP8_BLOCK, triton.next_power_of_2(hidden_size))
+    send_chunk, comb_chunk = min(4096, width), min(2048, width)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    chunks = triton.cdiv(hidden_size, comb_chunk)
+    return LLLaunch(send_chunk=send_chunk, send_warps=8 if send_chunk >= 1024 else 4,
+                    comb_chunk=comb_chunk, comb_warps=8 if comb_chunk >= 1024 else 4,
+                    combine_programs=max(1, min(world_size * max_tokens, 2 * sms // chunks)),
                     interpret=device.type == "cpu")
 
 
@@ -75,48 +88,70 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _wait_geq(ptr, target, err_ptr):
-    """Spin until the int64 at ptr (written by other GPUs) reaches target, then acquire.
+def _now(prev, INTERPRET: tl.constexpr):
+    """Nanoseconds on the GPU's global timer; under the interpreter a stand-in: 1000 per call."""
+    if INTERPRET:
+        return prev + 1000
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
 
-    After SPIN_LIMIT polls it stops waiting and sets err_ptr[0] = 1 (a peer is gone or the calls
-    are out of order), so a protocol error shows up as a flag instead of a hung GPU; once the flag
-    is set, waits stop spinning (results are garbage until the dispatcher is rebuilt). The limit is
-    generous because a peer's first call may still be compiling its kernels.
+
+@triton.jit
+def _signal(sig_ptr, sig_dR, slot, rank, R, lin, n):
+    """Add this program's share of SIGNAL_UNIT (program lin of the n signalling programs) to signal[slot]
+    of every rank, release at system scope; returns this rank's signal value right after its add.
+
+    Call after tl.debug_barrier(), so every thread's stores of the program are ordered before the adds.
     """
-    healthy = tl.load(err_ptr, volatile=True) == 0  # after one time-out, later waits do not spin
-    cur = tl.load(ptr, volatile=True)
-    polls = 0
-    while (cur < target) & (polls < SPIN_LIMIT) & healthy:
-        cur = tl.load(ptr, volatile=True)
-        polls += 1
+    weight = tl.where(lin == 0, SIGNAL_UNIT - (n - 1), 1).to(tl.int64)
+    seen = weight * 0
+    for r in range(R):
+        old = tl.atomic_add(sig_ptr + tl.load(sig_dR + r) + slot, weight, sem="release", scope="sys")
+        seen = tl.where(r == rank, old + weight, seen)
+    return seen
+
+
+@triton.jit
+def _wait(sig_ptr, seen, sig_unit, err_ptr, timeout_ns, INTERPRET: tl.constexpr):
+    """Spin until the int64 signal at sig_ptr reaches the next multiple of sig_unit (= R * SIGNAL_UNIT)
+    at or above `seen` (a value read after this rank's own share of the call was added), then acquire.
+
+    After timeout_ns without the signal it gives up and sets err_ptr[0] = 1 (a peer is gone or the
+    ranks' calls do not match); once the flag is set, waits do not spin (results are garbage until
+    the dispatcher is rebuilt).
+    """
+    target = (seen + sig_unit - 1) // sig_unit * sig_unit
+    healthy = tl.load(err_ptr, volatile=True) == 0
+    cur = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+    start = _now(seen * 0, INTERPRET)
+    now = start
+    while (cur < target) & healthy & (now - start < timeout_ns):
+        cur = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+        now = _now(now, INTERPRET)
     if cur < target:
         tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
-    tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
-def _finish(fin_ptr, sig_ptr, sig_dR, slot, R):
-    """Count this program done; the last program of the grid resets the counter and signals every rank.
-
-    Call after tl.debug_barrier(), so the program's stores are ordered before its count (release) and
-    so, through the last program's acquire, before the signal (release, system scope).
-    """
-    done = tl.atomic_add(fin_ptr, 1, sem="acq_rel", scope="sys")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(fin_ptr, 0, sem="relaxed", scope="sys")
-        for r in range(R):
-            tl.atomic_add(sig_ptr + tl.load(sig_dR + r) + slot, 1, sem="release", scope="sys")
+def _take_counts(cnt_ptr, counts_ptr, L, M, BLOCK_L: tl.constexpr):
+    """counts_L = cnt (clamped to M), and cnt = 0 for the next call (one atomic exchange)."""
+    for l0 in range(0, L, BLOCK_L):
+        ls = l0 + tl.arange(0, BLOCK_L)
+        lm = ls < L
+        c = tl.atomic_xchg(cnt_ptr + ls, 0, mask=lm, sem="relaxed", scope="sys")
+        tl.store(counts_ptr + ls, tl.minimum(c, M), mask=lm)
 
 
-@triton.jit
-def _dispatch_send_kernel(
+@triton.jit(do_not_specialize=["T"])
+def _dispatch_kernel(
     x_ptr, ids_ptr, w_ptr, T,
     recv_x_ptr, recv_x_dR, recv_scale_ptr, recv_scale_dR, idx_ptr, idx_dR, wtab_ptr, wtab_dR,
     cnt_ptr, cnt_dR, src_tokens_ptr, src_tokens_dR, sig_ptr, sig_dR,
-    route_ptr, wloc_ptr, fin_ptr,
-    rank, R, E, L, M, Tmax, D, K, G,
-    QUANT: tl.constexpr, SEND_WEIGHTS: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+    route_ptr, wloc_ptr, counts_ptr, err_ptr,
+    rank, R, E, L, M, Tmax, D, K, G, sig_unit, timeout_ns,
+    QUANT: tl.constexpr, SEND_WEIGHTS: tl.constexpr, RECEIVE: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ks = tl.arange(0, BLOCK_K)
@@ -169,34 +204,42 @@ def _dispatch_send_kernel(
         for r in range(R):
             tl.store(src_tokens_ptr + tl.load(src_tokens_dR + r) + rank, T)
     tl.debug_barrier()
-    _finish(fin_ptr, sig_ptr, sig_dR, 0, R)
+    nprog = tl.num_programs(0)
+    seen = _signal(sig_ptr, sig_dR, 0, rank, R, pid, nprog)
+    if RECEIVE:
+        # The last program waits (under the interpreter, programs run one after another in order, so
+        # this rank's other programs have signalled by then; on a GPU any program would do).
+        if pid == nprog - 1:
+            _wait(sig_ptr, seen, sig_unit, err_ptr, timeout_ns, INTERPRET)
+            _take_counts(cnt_ptr, counts_ptr, L, M, BLOCK_L)
 
 
 @triton.jit
-def _dispatch_recv_kernel(sig_ptr, seq_ptr, err_ptr, cnt_ptr, counts_ptr, L, M, R, BLOCK_L: tl.constexpr):
-    seq = tl.load(seq_ptr + 0) + 1
-    _wait_geq(sig_ptr + 0, seq * R, err_ptr)
-    for l0 in range(0, L, BLOCK_L):
-        ls = l0 + tl.arange(0, BLOCK_L)
-        lm = ls < L
-        c = tl.atomic_xchg(cnt_ptr + ls, 0, mask=lm, sem="relaxed", scope="sys")
-        tl.store(counts_ptr + ls, tl.minimum(c, M), mask=lm)
-    tl.store(seq_ptr + 0, seq)
+def _dispatch_recv_kernel(sig_ptr, err_ptr, cnt_ptr, counts_ptr, L, M, sig_unit, timeout_ns,
+                          INTERPRET: tl.constexpr, BLOCK_L: tl.constexpr):
+    seen = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")  # holds this rank's share already
+    _wait(sig_ptr, seen, sig_unit, err_ptr, timeout_ns, INTERPRET)
+    _take_counts(cnt_ptr, counts_ptr, L, M, BLOCK_L)
 
 
 @triton.jit
 def _combine_send_kernel(
-    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_ptr, comb_dR, sig_ptr, sig_dR, fin_ptr,
+    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_ptr, comb_dR, sig_ptr, sig_dR,
     rank, R, Tmax, D, K,
     REDUCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    c = tl.program_id(1)
+    nchunk = tl.num_programs(1)
     rr = tl.arange(0, BLOCK_R)
     src_tokens = tl.load(src_tokens_ptr + rr, mask=rr < R, other=0, cache_modifier=".cg")
+    n_items = tl.max(src_tokens, axis=0) * R
     ks = tl.arange(0, BLOCK_K)
     kmask = ks < K
-    for j in range(pid, tl.max(src_tokens, axis=0) * R, nprog):
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    cm = cols < D
+    for j in range(pid, n_items, nprog):
         t = j // R
         s = j - t * R
         if t < tl.sum(tl.where(rr == s, src_tokens, 0), axis=0):
@@ -204,58 +247,50 @@ def _combine_send_kernel(
             valid = idx >= 0
             if tl.max(valid.to(tl.int32), axis=0) > 0:
                 comb = comb_ptr + tl.multiple_of(tl.load(comb_dR + s), 16)
+                m2 = valid[:, None] & cm[None, :]
+                tile = tl.load(y_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0)
                 if REDUCE:
                     w = tl.load(wtab_ptr + (s * Tmax + t) * K + ks, mask=valid, other=0.0, cache_modifier=".cg")
-                for c0 in range(0, D, CHUNK):
-                    cols = c0 + tl.arange(0, CHUNK)
-                    cm = cols < D
-                    m2 = valid[:, None] & cm[None, :]
-                    tile = tl.load(y_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0)
-                    if REDUCE:
-                        acc = tl.sum(tile.to(tl.float32) * w[:, None], axis=0)
-                        tl.store(comb + (t * R + rank).to(tl.int64) * D + cols, acc.to(tile.dtype), mask=cm)
-                    else:
-                        tl.store(comb + (t * K + ks).to(tl.int64)[:, None] * D + cols[None, :], tile, mask=m2)
+                    acc = tl.sum(tile.to(tl.float32) * w[:, None], axis=0)
+                    tl.store(comb + (t * R + rank).to(tl.int64) * D + cols, acc.to(tile.dtype), mask=cm)
+                else:
+                    tl.store(comb + (t * K + ks).to(tl.int64)[:, None] * D + cols[None, :], tile, mask=m2)
     tl.debug_barrier()
-    _finish(fin_ptr, sig_ptr, sig_dR, 1, R)
+    # Every program signals, idle ones too: a peer may rewrite src_tokens, idx and wtab (its next
+    # dispatch) once this call's signal is complete, so no program may still be about to read them.
+    _signal(sig_ptr, sig_dR, 1, rank, R, pid * nchunk + c, nprog * nchunk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_recv_kernel(
-    comb_ptr, route_ptr, wloc_ptr, out_ptr, T, sig_ptr, seq_ptr, err_ptr, fin_ptr,
-    R, K, D,
-    REDUCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    comb_ptr, route_ptr, wloc_ptr, out_ptr, T, sig_ptr, err_ptr,
+    R, K, D, sig_unit, timeout_ns,
+    REDUCE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    seq = tl.load(seq_ptr + 1) + 1
-    _wait_geq(sig_ptr + 1, seq * R, err_ptr)
+    c = tl.program_id(1)
+    seen = tl.atomic_add(sig_ptr + 1, 0, sem="acquire", scope="sys")  # holds this rank's share already
+    _wait(sig_ptr + 1, seen, sig_unit, err_ptr, timeout_ns, INTERPRET)
     if pid < T:
         ks = tl.arange(0, BLOCK_K)
         kmask = ks < K
         rr = tl.arange(0, BLOCK_R)
         route = tl.load(route_ptr + pid * K + ks, mask=kmask, other=-1)
         valid = route >= 0
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        cm = cols < D
         if REDUCE:
             used = tl.max(((route[None, :] == rr[:, None]) & valid[None, :]).to(tl.int32), axis=1) > 0
+            tile = tl.load(comb_ptr + (pid * R + rr).to(tl.int64)[:, None] * D + cols[None, :],
+                           mask=used[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
+            acc = tl.sum(tile.to(tl.float32), axis=0)
         else:
             w = tl.load(wloc_ptr + pid * K + ks, mask=valid, other=0.0)
-        for c0 in range(0, D, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            cm = cols < D
-            if REDUCE:
-                tile = tl.load(comb_ptr + (pid * R + rr).to(tl.int64)[:, None] * D + cols[None, :],
-                               mask=used[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
-                acc = tl.sum(tile.to(tl.float32), axis=0)
-            else:
-                tile = tl.load(comb_ptr + (pid * K + ks).to(tl.int64)[:, None] * D + cols[None, :],
-                               mask=valid[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
-                acc = tl.sum(tile.to(tl.float32) * w[:, None], axis=0)
-            tl.store(out_ptr + pid.to(tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
-    tl.debug_barrier()
-    done = tl.atomic_add(fin_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:  # every program has read seq: advance it
-        tl.atomic_xchg(fin_ptr, 0, sem="relaxed", scope="gpu")
-        tl.store(seq_ptr + 1, seq)
+            tile = tl.load(comb_ptr + (pid * K + ks).to(tl.int64)[:, None] * D + cols[None, :],
+                           mask=valid[:, None] & cm[None, :], other=0.0, cache_modifier=".cg")
+            acc = tl.sum(tile.to(tl.float32) * w[:, None], axis=0)
+        tl.store(out_ptr + pid.to(tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
 @dataclass(frozen=True)
@@ -267,8 +302,8 @@ class LLBuffers:
     recv_x [L, M, D] (float8_e4m3fn or cfg.dtype) and recv_scale [L, M, G] float32 (a [1] stand-in
     without fp8); cnt [L] int32; idx [R, Tmax, K] int32; wtab [R, Tmax, K] float32 (a [1] stand-in for
     combine="source"); src_tokens [R] int32; comb [Tmax, K, D] ("source") or [Tmax, R, D] ("reduce"),
-    cfg.dtype; signal [2] int64 (monotone). This rank's own: seq [2] int64, finish [3] int32,
-    error [1] int32 (a wait gave up), counts [L] int32, route [Tmax, K] int32, wloc [Tmax, K] float32.
+    cfg.dtype; signal [2] int64 (monotone). This rank's own: error [1] int32 (a wait gave up),
+    counts [L] int32, route [Tmax, K] int32, wloc [Tmax, K] float32.
     """
 
     recv_x: torch.Tensor
@@ -279,8 +314,6 @@ class LLBuffers:
     src_tokens: torch.Tensor
     comb: torch.Tensor
     signal: torch.Tensor
-    seq: torch.Tensor
-    finish: torch.Tensor
     error: torch.Tensor
     counts: torch.Tensor
     route: torch.Tensor
@@ -295,45 +328,56 @@ class LLBuffers:
     signal_dR: torch.Tensor
 
 
-def dispatch_send(b: LLBuffers, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *, rank: int,
-                  num_experts: int, quant: bool, reduce: bool, launch: LLLaunch) -> None:
-    """Launch the dispatch stores of T tokens (grid max(T, 1); a rank with 0 tokens still signals)."""
+def _block_l(b: LLBuffers) -> int:
+    return min(1024, triton.next_power_of_2(b.cnt.shape[0]))
+
+
+def dispatch(b: LLBuffers, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *, rank: int,
+             num_experts: int, quant: bool, reduce: bool, receive: bool, timeout_ns: int,
+             launch: LLLaunch) -> None:
+    """Launch the dispatch stores of T tokens (grid max(T, 1): a rank with 0 tokens still signals);
+    with `receive`, the kernel's last program also waits for every rank and fills b.counts."""
     T, D = x_TD.shape
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
     R, Tmax, K = b.idx.shape
-    _dispatch_send_kernel[(max(T, 1),)](
+    _dispatch_kernel[(max(T, 1),)](
         x_TD, ids_TK, w_TK, T,
         b.recv_x, b.recv_x_dR, b.recv_scale, b.recv_scale_dR, b.idx, b.idx_dR, b.wtab, b.wtab_dR,
         b.cnt, b.cnt_dR, b.src_tokens, b.src_tokens_dR, b.signal, b.signal_dR,
-        b.route, b.wloc, b.finish[0:],
-        rank, R, num_experts, L, M, Tmax, D, K, triton.cdiv(D, FP8_BLOCK),
-        QUANT=quant, SEND_WEIGHTS=reduce, INTERPRET=launch.interpret,
-        BLOCK_K=triton.next_power_of_2(K), CHUNK=launch.chunk, num_warps=launch.num_warps)
+        b.route, b.wloc, b.counts, b.error,
+        rank, R, num_experts, L, M, Tmax, D, K, triton.cdiv(D, FP8_BLOCK), R * _SIGNAL_UNIT, timeout_ns,
+        QUANT=quant, SEND_WEIGHTS=reduce, RECEIVE=receive, INTERPRET=launch.interpret,
+        BLOCK_K=triton.next_power_of_2(K), BLOCK_L=_block_l(b), CHUNK=launch.send_chunk,
+        num_warps=launch.send_warps)
 
 
-def dispatch_recv(b: LLBuffers) -> None:
+def dispatch_recv(b: LLBuffers, *, timeout_ns: int, launch: LLLaunch) -> None:
     """Launch the wait for every rank's dispatch signal; then b.counts holds this call's counts_L."""
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
-    _dispatch_recv_kernel[(1,)](b.signal, b.seq, b.error, b.cnt, b.counts, L, M, b.idx.shape[0],
-                                BLOCK_L=min(1024, triton.next_power_of_2(L)), num_warps=4)
+    R = b.idx.shape[0]
+    _dispatch_recv_kernel[(1,)](b.signal, b.error, b.cnt, b.counts, L, M, R * _SIGNAL_UNIT, timeout_ns,
+                                INTERPRET=launch.interpret, BLOCK_L=_block_l(b), num_warps=4)
 
 
 def combine_send(b: LLBuffers, y_LMD: torch.Tensor, *, rank: int, reduce: bool, launch: LLLaunch) -> None:
-    """Launch the stores of expert outputs back to their source ranks."""
+    """Launch the stores of expert outputs back to their source ranks, and the signals."""
     R, Tmax, K = b.idx.shape
-    _combine_send_kernel[(launch.combine_programs,)](
-        y_LMD, b.idx, b.wtab, b.src_tokens, b.comb, b.comb_dR, b.signal, b.signal_dR, b.finish[1:],
-        rank, R, Tmax, y_LMD.shape[-1], K,
+    D = y_LMD.shape[-1]
+    grid = (launch.combine_programs, triton.cdiv(D, launch.comb_chunk))
+    _combine_send_kernel[grid](
+        y_LMD, b.idx, b.wtab, b.src_tokens, b.comb, b.comb_dR, b.signal, b.signal_dR,
+        rank, R, Tmax, D, K,
         REDUCE=reduce, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
-        CHUNK=launch.chunk, num_warps=launch.num_warps)
+        CHUNK=launch.comb_chunk, num_warps=launch.comb_warps)
 
 
-def combine_recv(b: LLBuffers, out_TD: torch.Tensor, *, reduce: bool, launch: LLLaunch) -> None:
+def combine_recv(b: LLBuffers, out_TD: torch.Tensor, *, reduce: bool, timeout_ns: int, launch: LLLaunch) -> None:
     """Launch the wait for every rank's combine signal and the weighted sum into out_TD [T, D]."""
     T, D = out_TD.shape
     R, _, K = b.idx.shape
-    _combine_recv_kernel[(max(T, 1),)](
-        b.comb, b.route, b.wloc, out_TD, T, b.signal, b.seq, b.error, b.finish[2:],
-        R, K, D,
-        REDUCE=reduce, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
-        CHUNK=launch.chunk, num_warps=launch.num_warps)
+    grid = (max(T, 1), triton.cdiv(D, launch.comb_chunk))
+    _combine_recv_kernel[grid](
+        b.comb, b.route, b.wloc, out_TD, T, b.signal, b.error,
+        R, K, D, R * _SIGNAL_UNIT, timeout_ns,
+        REDUCE=reduce, INTERPRET=launch.interpret, BLOCK_K=triton.next_power_of_2(K),
+        BLOCK_R=triton.next_power_of_2(R), CHUNK=launch.comb_chunk, num_warps=launch.comb_warps)
