@@ -12,6 +12,7 @@ Shape letters: R ranks.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,10 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     from torch.distributed import _symmetric_memory as symm_mem
 
     _, total = _offsets(specs)
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous on older torch
-        symm_mem.enable_symm_mem_for_group(group.group_name)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():  # required before rendezvous on older torch; a deprecated no-op on 2.11+
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
     raw = symm_mem.empty(total, dtype=torch.uint8, device=device)
     raw.zero_()
     handle = symm_mem.rendezvous(raw, group=group.group_name)
@@ -125,6 +128,38 @@ class EmulatedGroup:
             bases = [r.data_ptr() for r in raws]
             table[key] = [Workspace(specs, raw, bases, r) for r, raw in enumerate(raws)]
         return table[key][self.rank]
+
+
+MAX_NVLINK_WORLD = 8
+
+
+def symmetric_world(cfg, group) -> tuple[int, str]:
+    """(R, "ok") when the symmetric-memory dispatchers can run `cfg` over `group`, else (0, reason).
+
+    `group` must be an EmulatedGroup, or a NCCL group of at most 8 ranks, all GPUs of this host, with
+    torch symmetric memory; E must be divisible by R.
+    """
+    if isinstance(group, EmulatedGroup):
+        world = group.world_size
+    elif isinstance(group, dist.ProcessGroup):
+        if not torch.cuda.is_available():
+            return 0, "needs CUDA"
+        try:
+            from torch.distributed import _symmetric_memory  # noqa: F401
+        except ImportError:
+            return 0, "torch.distributed._symmetric_memory is not available"
+        if "nccl" not in str(dist.get_backend(group)):
+            return 0, f"needs a NCCL group of one host's GPUs, got backend {dist.get_backend(group)!r}"
+        world = dist.get_world_size(group)
+        if world > torch.cuda.device_count():
+            return 0, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
+    else:
+        return 0, "needs a NCCL process group or an EmulatedGroup"
+    if world > MAX_NVLINK_WORLD:
+        return 0, f"world size {world} > {MAX_NVLINK_WORLD} (one NVLink domain)"
+    if cfg.num_experts % world:
+        return 0, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+    return world, "ok"
 
 
 def group_rank_world(group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[int, int]:

@@ -26,15 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ht as kernels
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, EmulatedGroup, Workspace, torch_workspace
-
-MAX_WORLD = 8
+from ..symm import BufferSpec, EmulatedGroup, Workspace, symmetric_world, torch_workspace
 
 
 @dataclass(frozen=True)
@@ -92,26 +89,9 @@ class HtDispatcher(Dispatcher):
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group) -> tuple[bool, str]:
-        if isinstance(group, EmulatedGroup):
-            world = group.world_size
-        elif isinstance(group, dist.ProcessGroup):
-            world = dist.get_world_size(group)
-            if not torch.cuda.is_available():
-                return False, "needs CUDA"
-            if "nccl" not in str(dist.get_backend(group)):
-                return False, f"needs a NCCL group on one host, got backend {dist.get_backend(group)!r}"
-            if world > torch.cuda.device_count():
-                return False, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
-            try:
-                from torch.distributed import _symmetric_memory  # noqa: F401
-            except ImportError:
-                return False, "torch.distributed._symmetric_memory is not available"
-        else:
-            return False, "needs a NCCL process group or an EmulatedGroup"
-        if world > MAX_WORLD:
-            return False, f"world size {world} > {MAX_WORLD} (one NVLink domain)"
-        if cfg.num_experts % world:
-            return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+        world, reason = symmetric_world(cfg, group)
+        if not world:
+            return False, reason
         if cfg.row_bytes % 16:
             return False, f"rows of hidden_size={cfg.hidden_size} x {cfg.dtype} are {cfg.row_bytes} bytes, " \
                           f"not a multiple of 16"

@@ -64,16 +64,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ll as kernels
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, EmulatedGroup, Workspace, torch_workspace
+from ..symm import BufferSpec, EmulatedGroup, Workspace, symmetric_world, torch_workspace
 
 COMBINE_MODES = ("source", "reduce")
-_MAX_PEERS = 8  # one NVLink domain of one host
 
 
 @dataclass(frozen=True)
@@ -113,26 +111,9 @@ class LLDispatcher(Dispatcher):
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group) -> tuple[bool, str]:
-        if isinstance(group, EmulatedGroup):
-            world = group.world_size
-        elif isinstance(group, dist.ProcessGroup):
-            if not torch.cuda.is_available():
-                return False, "needs CUDA"
-            try:
-                from torch.distributed import _symmetric_memory  # noqa: F401
-            except ImportError:
-                return False, "torch.distributed._symmetric_memory is not importable"
-            if dist.get_backend(group) != "nccl":
-                return False, f"needs an NCCL process group, got {dist.get_backend(group)!r}"
-            world = dist.get_world_size(group)
-            if world > torch.cuda.device_count():
-                return False, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
-        else:
-            return False, "needs a process group of one host's GPUs, or an EmulatedGroup"
-        if world > _MAX_PEERS:
-            return False, f"world size {world} exceeds {_MAX_PEERS} (one NVLink domain)"
-        if cfg.num_experts % world:
-            return False, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+        world, reason = symmetric_world(cfg, group)
+        if not world:
+            return False, reason
         Tmax = cfg.max_tokens_per_rank
         if max(cfg.num_experts * Tmax, world * Tmax * cfg.top_k) >= 2 ** 31:
             return False, f"max_tokens_per_rank={Tmax} too large for int32 row indices"
