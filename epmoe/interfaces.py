@@ -148,11 +148,15 @@ class Dispatcher(ABC):
         Returns:
             out_TD: [T, D] in cfg.dtype, in the order x_TD had; a token with no expert gets zeros.
         """
+        self.check_output(y, batch)
+        return self._combine(y, batch)
+
+    def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
+        """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""
         if y.shape != batch.x.shape:
             raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.x.shape)}")
         if y.dtype != self.cfg.dtype:
             raise ValueError(f"expert output dtype {y.dtype} does not match cfg.dtype {self.cfg.dtype}")
-        return self._combine(y, batch)
 
     @abstractmethod
     def _dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:

@@ -179,10 +179,7 @@ class HtDispatcher(Dispatcher):
 
     def combine_send(self, y: torch.Tensor, batch: ExpertBatch) -> HtCombinePending:
         """Store each received row's weighted local result into its source rank's combine region."""
-        if y.shape != batch.x.shape:
-            raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.x.shape)}")
-        if y.dtype != self.cfg.dtype:
-            raise ValueError(f"expert output dtype {y.dtype} does not match cfg.dtype {self.cfg.dtype}")
+        self.check_output(y, batch)
         if not isinstance(batch.handle, HtHandle):
             raise ValueError("batch was not produced by an 'ht' dispatcher")
         return self._combine_send(y.contiguous(), batch)

@@ -228,10 +228,7 @@ class LLDispatcher(Dispatcher):
     def combine_send(self, y_LMD: torch.Tensor, batch: ExpertBatch) -> LLHandle:
         """Start the combine: launch the stores of expert outputs y [L, M, D] (cfg.dtype) back to
         their source ranks; return the handle to pass to `combine_recv`."""
-        if y_LMD.shape != batch.x.shape:
-            raise ValueError(f"expert output shape {tuple(y_LMD.shape)} != batch shape {tuple(batch.x.shape)}")
-        if y_LMD.dtype != self.cfg.dtype:
-            raise ValueError(f"expert output dtype {y_LMD.dtype} does not match cfg.dtype {self.cfg.dtype}")
+        self.check_output(y_LMD, batch)
         if not isinstance(batch.handle, LLHandle):
             raise ValueError("batch was not produced by an 'll' dispatcher")
         kernels.combine_send(self._buffers, y_LMD.contiguous(), rank=self.rank, reduce=self.reduce,
