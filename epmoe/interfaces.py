@@ -2,6 +2,7 @@
 
 Shape letters: T tokens on this rank, D hidden size, F expert intermediate size, E global experts,
 L local experts, K top-k, N rows of a contiguous batch, M rows per expert slot of a batched batch,
+S source rows that a contiguous batch's row index points into,
 G = ceil(D / 128) fp8 scale groups per row.
 
 Data flow:  dispatch(x_TD, ids_TK, weights_TK) -> ExpertBatch -> experts(batch) -> y -> combine(y, batch)
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -23,8 +24,9 @@ from .symm import EmulatedGroup, group_rank_world
 class Layout(enum.Enum):
     """How an ExpertBatch lays out its rows.
 
-    CONTIGUOUS: x is [N, D]; rows of local expert l are x[offsets_L1[l] : offsets_L1[l+1]]; rows at or
-        past offsets_L1[L] are padding that experts may skip and combine ignores.
+    CONTIGUOUS: the batch has N rows; rows of local expert l are batch rows offsets_L1[l] : offsets_L1[l+1];
+        rows at or past offsets_L1[L] are padding that experts may skip and combine ignores. Batch row i
+        is x[i] (x [N, D]), or x[row_index_N[i]] when the batch carries a row index (see ExpertBatch).
     BATCHED: x is [L, M, D]; rows of local expert l are x[l, :counts_L[l]]; the rest is padding.
     """
 
@@ -38,13 +40,20 @@ class ExpertBatch:
 
     Attributes:
         layout: Layout of `x` (see Layout).
-        x: activations, contiguous [N, D] or batched [L, M, D]; dtype cfg.dtype, or float8_e4m3fn when
-            the dispatcher quantized on the way (then `x_scale` is set).
-        x_scale: None, or float32 [N, G] / [L, M, G]: per token, per 128 columns, x ~= x_fp8 * scale.
+        x: activations, contiguous [N, D] (or [S, D] source rows with row_index_N) or batched [L, M, D];
+            dtype cfg.dtype, or float8_e4m3fn when the dispatcher quantized on the way (then `x_scale`
+            is set).
+        x_scale: None, or float32 [N, G] ([S, G]) / [L, M, G]: per token, per 128 columns,
+            x ~= x_fp8 * scale.
         counts_L: int32 [L] on x's device: rows of each local expert. Device-resident; reading it on the
             host is a sync.
         offsets_L1: CONTIGUOUS only (None for BATCHED): int32 [L+1] exclusive prefix sum of counts_L.
         handle: dispatcher-private routing state that `combine` consumes; never modify it.
+        row_index_N: CONTIGUOUS only, optional int32 [N] on x's device: batch row i is x[row_index_N[i]]
+            (and x_scale[row_index_N[i]]), so a dispatcher can hand over each received row once (x, S
+            source rows, may then view the dispatcher's buffers) instead of one copy per local expert.
+            Entries at or past offsets_L1[L] are in [0, S) too. Experts read rows through it (or call
+            `materialize()`); their outputs have `out_shape`, one row per batch row.
     """
 
     layout: Layout
@@ -53,10 +62,27 @@ class ExpertBatch:
     counts_L: torch.Tensor
     offsets_L1: torch.Tensor | None
     handle: Any
+    row_index_N: torch.Tensor | None = None
 
     @property
     def num_local_experts(self) -> int:
         return self.counts_L.shape[0]
+
+    @property
+    def out_shape(self) -> torch.Size:
+        """Shape of the experts' output y: [N, D] (contiguous) or [L, M, D] (batched)."""
+        if self.row_index_N is None:
+            return self.x.shape
+        return torch.Size((self.row_index_N.shape[0], self.x.shape[-1]))
+
+    def materialize(self) -> "ExpertBatch":
+        """This batch with one row of x per batch row (row_index_N applied, a copy); itself if there
+        is no row index."""
+        if self.row_index_N is None:
+            return self
+        rows = self.row_index_N.long()
+        return replace(self, x=self.x.index_select(0, rows), row_index_N=None,
+                       x_scale=None if self.x_scale is None else self.x_scale.index_select(0, rows))
 
 
 def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
@@ -136,6 +162,12 @@ class Dispatcher(ABC):
             ExpertBatch in this dispatcher's layout, holding this rank's local experts' rows.
         """
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+        return self.dispatch_checked(x_TD, ids_TK, weights_TK)
+
+    def dispatch_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
+        """`dispatch` for inputs the caller already passed through check_tokens, with T <=
+        cfg.max_tokens_per_rank, on the dispatcher's device (FusedMoE checks once per call, for all its
+        chunks): no second validation, so no second host sync."""
         return self._dispatch(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
@@ -153,8 +185,8 @@ class Dispatcher(ABC):
 
     def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""
-        if y.shape != batch.x.shape:
-            raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.x.shape)}")
+        if y.shape != batch.out_shape:
+            raise ValueError(f"expert output shape {tuple(y.shape)} != batch shape {tuple(batch.out_shape)}")
         if y.dtype != self.cfg.dtype:
             raise ValueError(f"expert output dtype {y.dtype} does not match cfg.dtype {self.cfg.dtype}")
 
@@ -170,12 +202,15 @@ class Dispatcher(ABC):
 class Experts(ABC):
     """Runs the local experts, y = (silu(x W1^T) * (x W3^T)) W2^T per expert, on an ExpertBatch.
 
-    Subclasses declare `name`, the `layouts` they accept and `quants` (cfg.quant values) they support.
+    Subclasses declare `name`, the `layouts` they accept, `quants` (cfg.quant values) they support and
+    whether they read rows through a batch's row_index_N (`reads_row_index`); batches with a row index
+    are materialized (one copy) for those that do not.
     """
 
     name: ClassVar[str]
     layouts: ClassVar[frozenset[Layout]]
     quants: ClassVar[frozenset[str | None]]
+    reads_row_index: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, num_local_experts: int, device: torch.device | str) -> None:
         self.cfg = cfg
@@ -202,13 +237,15 @@ class Experts(ABC):
         self._load(w13_LND.to(self.device), w2_LDF.to(self.device))
 
     def __call__(self, batch: ExpertBatch) -> torch.Tensor:
-        """y in batch's layout and shape, dtype cfg.dtype; rows past the counts are unspecified."""
+        """y [*batch.out_shape] in batch's layout, dtype cfg.dtype; rows past the counts are unspecified."""
         if batch.layout not in self.layouts:
             raise ValueError(f"experts {self.name!r} do not accept the {batch.layout.value} layout")
         if batch.num_local_experts != self.num_local_experts:
             raise ValueError(
                 f"batch has {batch.num_local_experts} local experts, experts hold {self.num_local_experts}")
-        return self._forward(batch)
+        if batch.row_index_N is not None and batch.layout is not Layout.CONTIGUOUS:
+            raise ValueError("row_index_N is only defined for the contiguous layout")
+        return self._forward(batch if self.reads_row_index else batch.materialize())
 
     @abstractmethod
     def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:

@@ -127,7 +127,7 @@ class FusedMoE(torch.nn.Module):
         out_TD = torch.empty_like(x_TD)
         for c in range(chunks):
             lo, hi = min(c * step, T), min((c + 1) * step, T)
-            batch = self.dispatcher.dispatch(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
         if self.cfg.routed_scaling_factor != 1.0:
             out_TD.mul_(self.cfg.routed_scaling_factor)

@@ -64,11 +64,11 @@ def main() -> None:
             a = "*bf16" if quant_a else f"*{dtype}"
             c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
             signature = dict(
-                a_ptr=a, a_scale_ptr="*fp32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
+                a_ptr=a, a_scale_ptr="*fp32", a_rows_ptr="*i32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
                 row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
                 stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
             constexprs = dict(
-                BATCHED=bound <= 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
+                BATCHED=bound <= 64, GATHER=gate and bound > 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
                 TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
                 EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, SCALE_GROUP=128)

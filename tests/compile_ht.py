@@ -25,7 +25,7 @@ def check(tag, kernel, failures, vector):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, copy_programs=4 * SMS)
+    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=SMS, combine_warps=8, copy_programs=4 * SMS)
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
@@ -39,13 +39,6 @@ def main() -> None:
                 dict(R=2, D=D, K=K, L=L, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G),
                      BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "ids_ptr", "w_ptr", "slot_ptr"], warps, 1), failures, big)
-            check(f"scatter D{D} {dt}", compile_hopper(
-                k._scatter_rows_kernel,
-                dict(x_ptr=f"*{dt}", x_scale_ptr="*fp32", pos_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
-                     recv_ptr=f"*{dt}", recv_scale_ptr="*fp32", C="i32"),
-                dict(R=2, D=D, K=K, G=G, FP8=fp8, ROWS=launch.rows(D), BLOCK_D=triton.next_power_of_2(D),
-                     BLOCK_G=triton.next_power_of_2(G), PROGRAMS=launch.copy_programs),
-                ["x_ptr", "x_scale_ptr", "pos_ptr", "recv_ptr", "recv_scale_ptr"], warps, 1), failures, big)
         check(f"combine_send D{D} K{K}", compile_hopper(
             k._combine_send_kernel,
             dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", comb_peers="*i64",
@@ -66,8 +59,8 @@ def main() -> None:
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,
             dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",
-                 w_out_ptr="*fp32", C="i32", NB="i32"),
-            common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr"], 4, 1), failures, False)
+                 w_out_ptr="*fp32", rows_ptr="*i32", C="i32", NB="i32"),
+            common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
         check(f"number_pairs K{K}", compile_hopper(
             k._number_pairs_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", T="i32"),
             dict(R=2, K=K, L=L, BLOCK_T=2048, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 8, 1), failures, False)

@@ -40,6 +40,7 @@ def world(group) -> tuple[int, int]:
 def scale_by_expert(batch: ExpertBatch, first_expert: int) -> torch.Tensor:
     """Stand-in experts for exact checks: expert e maps x to x * (e + 1); padding rows give zeros."""
     L = batch.num_local_experts
+    batch = batch.materialize()
     mult_L = torch.arange(first_expert + 1, first_expert + 1 + L, dtype=batch.x.dtype, device=batch.x.device)
     y = torch.zeros_like(batch.x)
     if batch.layout is Layout.BATCHED:
@@ -139,7 +140,7 @@ def case_counts(name, group, device) -> None:
         # every row of expert l comes from a token that chose expert first + l
         for l in range(L):
             lo, hi = batch.offsets_L1[l].item(), batch.offsets_L1[l + 1].item()
-            for row in batch.x[lo:hi].cpu():
+            for row in batch.materialize().x[lo:hi].cpu():
                 src_rank, t = int(row[0].item()) // 1000, int(row[0].item()) % 1000
                 expect((all_ids[src_rank][t] == d.first_expert + l).any(),
                        f"{name}: row of rank {src_rank} token {t} under expert {d.first_expert + l}")

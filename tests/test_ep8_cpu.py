@@ -50,6 +50,7 @@ def expected_out(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Ten
 def fake_experts(batch: ExpertBatch, first_expert: int) -> torch.Tensor:
     """y = x * (global expert id + 1) for every valid row of `batch`, in either layout."""
     L = batch.num_local_experts
+    batch = batch.materialize()
     scale_L = torch.arange(first_expert + 1, first_expert + L + 1, dtype=torch.float32, device=batch.x.device)
     if batch.layout is Layout.BATCHED:
         return batch.x * scale_L[:, None, None]
@@ -63,6 +64,7 @@ def fake_experts(batch: ExpertBatch, first_expert: int) -> torch.Tensor:
 
 def received_rows(batch: ExpertBatch) -> list[torch.Tensor]:
     """Each local expert's rows, sorted (row order within an expert is the dispatcher's choice)."""
+    batch = batch.materialize()
     out = []
     for l, n in enumerate(batch.counts_L.tolist()):
         rows = batch.x[l, :n] if batch.layout is Layout.BATCHED else \

@@ -99,6 +99,7 @@ def assert_fp8_close(q: torch.Tensor, q_ref: torch.Tensor) -> None:
 
 def expert_fn(batch, cfg: MoEConfig, rank: int, L: int) -> torch.Tensor:
     """The test's experts: y = x * (global expert id + 1) over the valid rows, fp32 -> cfg.dtype."""
+    batch = batch.materialize()
     x = batch.x.float() if batch.x_scale is None else dequantize_act_ref(batch.x, batch.x_scale)
     mult = torch.zeros(x.shape[0], device=x.device)
     offs = batch.offsets_L1.tolist()
@@ -148,6 +149,8 @@ def check_round_trip(cfg, dispatchers, inputs):
     L = cfg.num_experts // R
     batches = emulate_dispatch(dispatchers, inputs)
     for d, b in enumerate(batches):
+        assert b.row_index_N is not None  # rows are read through the index, not copied per expert
+        b = b.materialize()
         rows, counts = expected_batch_rows(cfg, R, d, inputs)
         assert b.counts_L.tolist() == counts
         assert b.offsets_L1.tolist() == [sum(counts[:i]) for i in range(L + 1)]
@@ -323,7 +326,7 @@ def _gpu_exact(ctx, quant, calls):
         for call in range(calls):
             inputs = [exact_inputs(cfg, r, T, routing, seed=20 + call) for r, T in enumerate(Ts)]
             x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
-            b = d.dispatch(x, ids, w)
+            b = d.dispatch(x, ids, w).materialize()
             rows, counts = expected_batch_rows(cfg, R, ctx.rank, inputs)
             assert b.counts_L.tolist() == counts
             n = sum(counts)
@@ -423,8 +426,9 @@ def _vs_alltoall(ctx, T, D, E, K, calls):
         w = torch.rand(Tc, K, device=ctx.device, generator=g)
         b1, b2 = ht.dispatch(x, ids, w), a2a.dispatch(x, ids, w)
         assert torch.equal(b1.counts_L, b2.counts_L) and torch.equal(b1.offsets_L1, b2.offsets_L1)
-        assert b1.x.shape == b2.x.shape
-        assert torch.equal(rows_by_expert(b1.x, b1.offsets_L1), rows_by_expert(b2.x, b2.offsets_L1))
+        assert b1.out_shape == b2.x.shape
+        x1 = b1.materialize().x
+        assert torch.equal(rows_by_expert(x1, b1.offsets_L1), rows_by_expert(b2.x, b2.offsets_L1))
         out1 = ht.combine(expert_fn(b1, cfg, ctx.rank, L), b1)
         out2 = a2a.combine(expert_fn(b2, cfg, ctx.rank, L), b2)
         assert_combine_bounded(cfg, R, out1, x, ids, w)
@@ -450,9 +454,10 @@ def _gpu_graph(ctx, T, D, E, K):
 
     def step():
         b = d.dispatch(x, ids, w)
-        mult = torch.searchsorted(b.offsets_L1[1:].long(), torch.arange(b.x.shape[0], device=ctx.device),
+        x_N = b.materialize().x
+        mult = torch.searchsorted(b.offsets_L1[1:].long(), torch.arange(x_N.shape[0], device=ctx.device),
                                   right=True) + ctx.rank * L + 1
-        return d.combine((b.x.float() * mult.unsqueeze(1)).to(cfg.dtype), b)
+        return d.combine((x_N.float() * mult.unsqueeze(1)).to(cfg.dtype), b)
 
     eager = step()
     torch.cuda.synchronize()

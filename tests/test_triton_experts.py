@@ -152,7 +152,18 @@ def test_kernels_refuse_bad_operands():
         gate_up(torch.randn(7, 32, device=DEVICE), w13, batched_rows)
 
 
-def batch_for(counts, layout, D, dtype, pad=3, fp8_input=False):
+def batch_for(counts, layout, D, dtype, pad=3, fp8_input=False, indexed=False):
+    """A batch with random rows; `indexed` (contiguous): x holds fewer source rows than the batch, read
+    through a random row_index_N (repeats, and padding entries, included)."""
+    if indexed:
+        plain = batch_for(counts, layout, D, dtype, pad, fp8_input)
+        N = plain.x.shape[0]
+        S = N // 2 + 1
+        g = torch.Generator().manual_seed(N)
+        source = batch_for([S], layout, D, dtype, 0, fp8_input)
+        rows = torch.randint(0, S, (N,), generator=g, dtype=torch.int32).to(DEVICE)
+        return ExpertBatch(layout=layout, x=source.x, x_scale=source.x_scale, counts_L=plain.counts_L,
+                           offsets_L1=plain.offsets_L1, handle=None, row_index_N=rows)
     counts_L = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     if layout is Layout.BATCHED:
         x = torch.randn(len(counts), max(counts) + pad, D).to(DEVICE, dtype)
@@ -171,7 +182,7 @@ def batch_rows_mask(batch):
     if batch.layout is Layout.BATCHED:
         M = batch.x.shape[1]
         return torch.arange(M, device=DEVICE)[None, :] < batch.counts_L[:, None]
-    return torch.arange(batch.x.shape[0], device=DEVICE) < batch.offsets_L1[-1]
+    return torch.arange(batch.out_shape[0], device=DEVICE) < batch.offsets_L1[-1]
 
 
 CASES = [  # (dtype, quant, fp8 input from the dispatcher)
@@ -193,6 +204,25 @@ def test_triton_experts_match_reference_experts(dtype, quant, fp8_input, layout,
     batch = batch_for(counts, layout, D, dtype, fp8_input=fp8_input)
     y, y_ref = triton_experts(batch), reference(batch)
     assert y.shape == batch.x.shape and y.dtype == dtype
+    mask = batch_rows_mask(batch)
+    rtol, atol = FP8_TOL if quant else TOL[dtype]
+    torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype,quant,fp8_input", CASES)
+@pytest.mark.parametrize("counts", [[4, 0, 19], [0, 0, 0]])
+def test_triton_experts_read_rows_through_the_row_index(dtype, quant, fp8_input, counts):
+    """A batch with row_index_N (as `ht` hands over) gives the rows of its materialized copy."""
+    L, D, F = len(counts), 136, 40
+    cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, dtype=dtype, quant=quant)
+    w13, w2 = weights(L, D, F)
+    triton_experts, reference = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
+    triton_experts.load(w13, w2)
+    reference.load(w13, w2)
+    batch = batch_for(counts, Layout.CONTIGUOUS, D, dtype, fp8_input=fp8_input, indexed=True)
+    assert batch.x.shape[0] < batch.out_shape[0]
+    y, y_ref = triton_experts(batch), reference(batch.materialize())
+    assert y.shape == batch.out_shape and y.dtype == dtype
     mask = batch_rows_mask(batch)
     rtol, atol = FP8_TOL if quant else TOL[dtype]
     torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=rtol, atol=atol)
@@ -270,8 +300,9 @@ GPU_SHAPES = [(7168, 2048), (2048, 768)]  # DeepSeek-V3, Qwen3-30B-A3B
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,F", GPU_SHAPES)
 @pytest.mark.parametrize("quant", [None, "fp8_block"])
-@pytest.mark.parametrize("layout", [Layout.CONTIGUOUS, Layout.BATCHED])
-def test_triton_experts_real_shapes_gpu(D, F, quant, layout):
+@pytest.mark.parametrize("layout,indexed", [(Layout.CONTIGUOUS, False), (Layout.CONTIGUOUS, True),
+                                            (Layout.BATCHED, False)])
+def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
     counts = [0, 1, 7, 64, 300, 129, 2, 1000]
     L = len(counts)
     cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, quant=quant)
@@ -279,7 +310,7 @@ def test_triton_experts_real_shapes_gpu(D, F, quant, layout):
     triton_experts, reference = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
     triton_experts.load(w13, w2)
     reference.load(w13, w2)
-    batch = batch_for(counts, layout, D, torch.bfloat16, pad=5)
+    batch = batch_for(counts, layout, D, torch.bfloat16, pad=5, indexed=indexed)
     mask = batch_rows_mask(batch)
     rtol, atol = FP8_TOL if quant else TOL[torch.bfloat16]
     torch.testing.assert_close(triton_experts(batch)[mask].float(), reference(batch)[mask].float(),

@@ -68,7 +68,7 @@ def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
         b = dispatcher._dispatch(x, ids, w)
-        ys.append(torch.randn(b.x.shape, device=x.device).to(torch.bfloat16))
+        ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(warmup + iters)]
     dist.barrier()
@@ -138,7 +138,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
                 alltoall_dispatch_us=a2a_d, alltoall_combine_us=a2a_c,
                 speedup_vs_alltoall=(a2a_d + a2a_c) / (d_us + c_us),
                 pairs_sent_to_others=sent_other, rows_received=recv_all, capacity=ht.capacity,
-                ht_programs=ht.launch.programs,
+                ht_programs=ht.launch.programs, ht_combine_programs=ht.launch.combine_programs,
                 sms=torch.cuda.get_device_properties(ctx.device).multi_processor_count))
     return rows
 
@@ -172,13 +172,13 @@ def main(argv: list[str]) -> None:
                 warmup=args.warmup, nvlink_GBps_per_direction=NVLINK_GBPS,
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-    print(f"ht: {rows[0]['ht_programs']} programs (one per SM of {rows[0]['sms']}) for the send kernels of dispatch "
-          f"and combine; 1 program waits; the batch scatter and the final combine sum use up to "
-          f"{4 * rows[0]['sms']} programs (no spinning); capacity (max_tokens_per_rank) = T of each row")
+    print(f"ht: {rows[0]['ht_programs']} programs for the dispatch send kernel and {rows[0]['ht_combine_programs']} "
+          f"for the combine send kernel ({rows[0]['sms']} SMs); 1 program waits; the final combine sum uses up "
+          f"to {4 * rows[0]['sms']} programs (no spinning); capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
-          f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted batch, one row per "
-          f"(token, local expert), incl. its host sync)")
+          f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted row index into the "
+          f"received rows, incl. its host sync)")
     print(_table(rows))
     print(f"wrote {out / 'bench_dispatch.json'}")
 

@@ -4,8 +4,9 @@ Dispatch: the sender numbers its (token, destination rank) pairs with a device p
 Triton kernel stores each row once per destination rank (fp8-quantized on the way when
 cfg.quant == "fp8_block") straight into that rank's receive region, with the token's destination-local
 ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
-on the device and builds the expert-sorted contiguous batch from the received rows, with work
-proportional to the rows received (not to the capacity C).
+on the device and sorts the received (row, local expert) pairs by expert, with work proportional to
+the pairs received (not to the capacity C): the batch is a row index into the receive buffer
+(ExpertBatch.row_index_N), so no row is copied again; the experts read rows through the index.
 Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
 (token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
 
@@ -14,9 +15,11 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count int32 [2, R],
     comb [2, R, C, D] cfg.dtype, dispatch_flag / combine_flag int64 [R] (monotonic, one add per sending
     program and call), dispatch_seq / combine_seq int32 [1] (epochs, incremented on the device).
-Why two copies suffice: a rank's send n+2 only starts after its receive n+1, which waited for every
-peer's send n+1, which each peer issued after its own receive n; so the region of call n is never
-overwritten while a peer still reads it. Calls must alternate send/receive per phase on every rank.
+Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
+n+2 comes after its combine n, which waited for every peer's combine send n, which each peer issued
+after running its experts on call n (the last reads of the region of call n, through the row index).
+So a region is never overwritten while a rank still reads it. Calls must alternate send/receive per
+phase on every rank, and the batch's rows are valid until its combine.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks, C capacity
 (cfg.max_tokens_per_rank), P = R*C receive rows, N rows of the expert batch, G = ceil(D / 128).
@@ -79,7 +82,9 @@ class HtDispatcher(Dispatcher):
 
     Phases (public so that emulated ranks can run them in turn, and for overlap):
         dispatch_send -> dispatch_recv -> (experts) -> combine_send -> combine_recv.
-    T may differ per rank and be 0; T <= cfg.max_tokens_per_rank.
+    T may differ per rank and be 0; T <= cfg.max_tokens_per_rank. The batch's x views the receive
+    buffer through its row_index_N: its rows are valid until the batch is combined, and at most two
+    dispatches may be in flight (not yet combined) per dispatcher.
     """
 
     name = "ht"
@@ -214,14 +219,14 @@ class HtDispatcher(Dispatcher):
         return self._expert_batch(pending)
 
     def _dispatch_wait(self) -> None:
-        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch)
+        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs)
 
     def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
-        """The received rows, sorted by local expert (source rank, slot, k within an expert).
+        """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
+        index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]).
 
-        Work proportional to the rows received: a count and a place kernel over blocks of received
-        rows, a few small torch ops on the [B, L] table of per-block counts, a scatter kernel that reads
-        each received row once and writes its n batch rows.
+        Work proportional to the pairs received: a count and a place kernel over blocks of received
+        rows and a few small torch ops on the [B, L] table of per-block counts; no row is copied.
         """
         R, L = self.world_size, self.num_local_experts
         seq = self.ws.local("dispatch_seq")
@@ -232,16 +237,17 @@ class HtDispatcher(Dispatcher):
         offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
         torch.cumsum(counts_L, 0, out=offsets_L1[1:])
         start_BL = torch.cumsum(table_BL, 0, dtype=torch.int32) - table_BL + offsets_L1[:L]
-        pos_PK, weights_PK = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL, self.blocks)
+        pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL,
+                                                          self.blocks, self.max_recv_rows)
         recv_counts_R = recv_count.index_select(0, (seq % 2).long()).view(R)
         # everything above is queued before the host waits for n
         n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
-        x, x_scale = kernels.scatter_rows(self.ws.local("recv_x"), self.ws.local("recv_scale") if self.fp8 else None,
-                                          recv_count, seq, pos_PK, n, self.launch)
+        D = self.cfg.hidden_size
+        x_scale = self.ws.local("recv_scale").view(2 * R * self.capacity, -1) if self.fp8 else None
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
-        return ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=x_scale, counts_L=counts_L,
-                           offsets_L1=offsets_L1, handle=handle)
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=self.ws.local("recv_x").view(-1, D), x_scale=x_scale,
+                           counts_L=counts_L, offsets_L1=offsets_L1, handle=handle, row_index_N=rows_N[:n])
 
     def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
         h: HtHandle = batch.handle
@@ -253,7 +259,7 @@ class HtDispatcher(Dispatcher):
 
     def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
         seq = self.ws.local("combine_seq")
-        kernels.wait_flags(self.ws.local("combine_flag"), seq, self.launch)
+        kernels.wait_flags(self.ws.local("combine_flag"), seq, self.launch.combine_programs)
         return kernels.combine_reduce(self.ws.local("comb"), pending.slot_TR, seq, self.launch)
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:

@@ -7,7 +7,8 @@ Pipeline per call, with no host sync: [quantize x per token per 128 columns, whe
 "fp8_block" and the dispatcher did not: in the gate-up kernel for the batched layout, a separate pass
 for the contiguous one] -> gate-up GEMM with SiLU-and-mul in its epilogue (fp8: h
 re-quantized there, or by `quantize_act` when the tile does not cover a whole scale group) -> down GEMM.
-Rows past the counts (and past offsets_L1[L]) are never computed; their outputs are unspecified.
+Rows past the counts (and past offsets_L1[L]) are never computed; their outputs are unspecified. A
+contiguous batch's row index is applied inside the gate-up kernel (rows are read through it).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class TritonExperts(Experts):
     name = "triton"
     layouts = frozenset({Layout.CONTIGUOUS, Layout.BATCHED})
     quants = frozenset({None, "fp8_block"})
+    reads_row_index = True
 
     @classmethod
     def availability(cls, cfg, device) -> tuple[bool, str]:
@@ -87,7 +89,8 @@ class TritonExperts(Experts):
                 raise ValueError(f"batch.x dtype {x.dtype} is neither fp8 nor cfg.dtype {self.cfg.dtype}")
         elif x.dtype != self.cfg.dtype:
             raise ValueError(f"batch.x dtype {x.dtype} does not match cfg.dtype {self.cfg.dtype} (quant=None)")
-        h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale, rows_hint=hint)
+        h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale,
+                             x_rows_R=batch.row_index_N, rows_hint=hint)
         y = down(h, self.w2, rows, h_scale_RG=h_scale, w2_scale=self.w2_scale, out_dtype=self.cfg.dtype,
                  rows_hint=hint)
-        return y.view(x.shape)
+        return y.view(batch.out_shape)

@@ -89,17 +89,18 @@ class ExpertRows:
 
 @triton.jit
 def _grouped_gemm_kernel(
-        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
+        a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
         L, SLOT_ROWS, R, N, K,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
-        BATCHED: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
+        BATCHED: tl.constexpr, GATHER: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
 
-    A [R, K] row-major; B [L, N (x2 for GATE_UP), K] K-contiguous; C [R, N].
+    A [R, K] row-major, or with GATHER [S, K] read through a_rows [R] (row i of the batch is A[a_rows[i]]);
+    B [L, N (x2 for GATE_UP), K] K-contiguous; C [R, N].
     TILE_B_SCALE: the column tile lies in one 128-row weight scale block (gate and up alike), so
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
@@ -142,6 +143,8 @@ def _grouped_gemm_kernel(
         offs_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < row_end
         rows_a = tl.minimum(offs_m, R - 1).to(tl.int64)  # rows past the expert's end: in bounds, never stored
+        if GATHER:
+            rows_a = tl.load(a_rows_ptr + rows_a, mask=m_mask, other=0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         cols_b = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -211,7 +214,7 @@ def _grouped_gemm_kernel(
         if GATE_UP:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_ROW_SCALE:
-            acc = acc * tl.load(row_scale_ptr + rows_a)[:, None]
+            acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
 
         rows_c = offs_m.to(tl.int64)
         c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
@@ -273,9 +276,9 @@ def _max_programs(device: torch.device) -> int:
 
 
 def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale, *, gate_up: bool,
-            cfg: GemmConfig) -> None:
-    R, K = a.shape
-    N = out.shape[1]
+            cfg: GemmConfig, a_rows: torch.Tensor | None = None) -> None:
+    R, N = out.shape
+    K = a.shape[1]
     L = rows.num_experts
     max_tiles_m = rows.max_row_tiles(R, cfg.block_m)
     if R == 0 or N == 0 or L == 0 or max_tiles_m == 0:
@@ -284,12 +287,13 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     dummy = out  # placeholder pointer for arguments a variant does not read
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
-        a, dummy if a_scale is None else a_scale.contiguous(), w, w_scale.contiguous() if fp8 else dummy, out,
+        a, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
+        w, w_scale.contiguous() if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
         rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N),
-        BATCHED=rows.batched, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
+        BATCHED=rows.batched, GATHER=a_rows is not None, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
         HAS_ROW_SCALE=row_scale is not None,
         TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0),
         QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
@@ -300,17 +304,21 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
 
 
 def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_scale_RG: torch.Tensor | None = None,
-            w13_scale: torch.Tensor | None = None, rows_hint: int | None = None, config: GemmConfig | None = None
+            w13_scale: torch.Tensor | None = None, x_rows_R: torch.Tensor | None = None,
+            rows_hint: int | None = None, config: GemmConfig | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h = silu(x W1^T) * (x W3^T) per expert, W1 = w13[l, :F], W3 = w13[l, F:]. No host sync.
 
     Args:
-        x_RD: [R, D] activations (bf16/fp16/fp32, or float8_e4m3fn with x_scale_RG float32 [R, ceil(D/128)]).
+        x_RD: [R, D] activations (bf16/fp16/fp32, or float8_e4m3fn with x_scale_RG float32 [R, ceil(D/128)]);
+            with x_rows_R, [S, D] source rows (and x_scale_RG [S, ceil(D/128)]).
         w13_LND: [L, 2F, D] weights in x's dtype, or float8_e4m3fn with w13_scale float32
             [L, ceil(2F/128), ceil(D/128)]. fp8 weights with unquantized x: x is quantized per token per
             128 columns, inside the kernel for the batched layout (padding slots are never read; needs
             block_k 128), else by `quantize_act` first.
         rows: the rows of each expert; rows outside every expert are not computed.
+        x_rows_R: contiguous layout only, optional int32 [R] with values in [0, S): row i of the batch is
+            x_RD[x_rows_R[i]], read through the index inside the kernel (no permuted copy).
         rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`).
         config: launch configuration (default: `gemm_config` for these shapes).
 
@@ -325,6 +333,11 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     _check_operands("gate_up", x_RD, x_scale_RG, w13_LND, w13_scale, rows, 2 * F)
     fp8 = w13_LND.dtype == FP8_DTYPE
     R = x_RD.shape[0]
+    if x_rows_R is not None:
+        if rows.batched or x_rows_R.dim() != 1 or x_rows_R.dtype != torch.int32 or x_rows_R.device != x_RD.device:
+            raise ValueError(f"gate_up: x_rows_R must be int32 [R] on {x_RD.device} with the contiguous layout, "
+                             f"got {x_rows_R.dtype} {tuple(x_rows_R.shape)} on {x_rows_R.device}")
+        R = x_rows_R.shape[0]
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
     cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
                                 element_size=x_RD.element_size())
@@ -335,7 +348,7 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
     h = torch.empty(R, F, dtype=out_dtype, device=x_RD.device)
     h_scale = torch.empty(R, num_groups(F), dtype=torch.float32, device=x_RD.device) if fused_quant else None
     _launch(x_RD.contiguous(), x_scale_RG, w13_LND.contiguous(), w13_scale, rows, h, h_scale, None,
-            gate_up=True, cfg=cfg)
+            gate_up=True, cfg=cfg, a_rows=None if x_rows_R is None else x_rows_R.contiguous())
     if fp8 and not fused_quant:
         return quantize_act(h)
     return h, h_scale
@@ -383,9 +396,12 @@ def _dequant(t: torch.Tensor, scale: torch.Tensor | None, weight: bool) -> torch
     return dequantize_weight_ref(t, scale) if weight else dequantize_act_ref(t, scale)
 
 
-def gate_up_ref(x_RD, w13_LND, rows: ExpertRows, *, x_scale_RG=None, w13_scale=None) -> torch.Tensor:
+def gate_up_ref(x_RD, w13_LND, rows: ExpertRows, *, x_scale_RG=None, w13_scale=None, x_rows_R=None) -> torch.Tensor:
     """float32 h [R, F] of `gate_up`, before any output rounding; rows outside the experts are zero.
     fp8 weights with unquantized x: x is quantized first, as the kernels do."""
+    if x_rows_R is not None:
+        x_RD = x_RD[x_rows_R.long()]
+        x_scale_RG = None if x_scale_RG is None else x_scale_RG[x_rows_R.long()]
     if w13_scale is not None and x_scale_RG is None:
         x_RD, x_scale_RG = quantize_act_ref(x_RD)
     x = _dequant(x_RD, x_scale_RG, weight=False)

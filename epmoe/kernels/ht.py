@@ -5,10 +5,10 @@ kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (
 the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
 program and call, a receiver waits until a flag reaches epoch * programs.
 
-The receiver's layout (expert-sorted batch) costs work proportional to the rows received, not to the
-capacity: a count kernel and a place kernel visit blocks of received rows (blocks past a source's count
-do nothing), and a scatter kernel reads each received row once and writes it to its batch rows (one
-per local expert of the token); the counts are read on the device.
+The receiver's layout (expert-sorted batch) costs work proportional to the (row, slot) pairs received,
+not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of received rows
+(blocks past a source's count do nothing) and write each batch row's index into the receive buffer,
+which the experts read through; the counts are read on the device.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
 C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
@@ -27,13 +27,16 @@ from ..config import FP8_BLOCK
 
 @dataclass(frozen=True)
 class HtLaunch:
-    """Launch config of the ht kernels: `programs` persistent programs for the send kernels (the same
-    on every rank: flags count one signal per program), `num_warps` per program; `rows(D)` rows per
-    program step in the send, scatter and reduce kernels."""
+    """Launch config of the ht kernels: `programs` persistent programs of the dispatch send kernel and
+    `combine_programs` of the combine send kernel (the same on every rank: flags count one signal per
+    program), with `num_warps` / `combine_warps` each; `rows(D)` rows per program step in the send and
+    combine kernels."""
 
     programs: int
     num_warps: int
-    copy_programs: int  # programs of the batch scatter and the final combine sum (no spinning)
+    combine_programs: int
+    combine_warps: int
+    copy_programs: int  # programs of the final combine sum (no spinning)
 
     @staticmethod
     def rows(hidden: int) -> int:
@@ -43,12 +46,13 @@ class HtLaunch:
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
-    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four copy programs
-    per SM; a few programs under the CPU interpreter."""
+    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four programs of
+    the final combine sum per SM; a few programs under the CPU interpreter."""
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, copy_programs=2)
+        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, copy_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return HtLaunch(programs=sms, num_warps=8 if row_bytes >= 4096 else 4, copy_programs=4 * sms)
+    warps = 8 if row_bytes >= 4096 else 4
+    return HtLaunch(programs=sms, num_warps=warps, combine_programs=sms, combine_warps=warps, copy_programs=4 * sms)
 
 
 @dataclass(frozen=True)
@@ -247,13 +251,14 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
 
 
 @triton.jit
-def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr,
+def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, rows_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
     start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
-    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert) and the
-    pair's weight w_out[p, k]."""
+    expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
+    pair's weight w_out[p, k], and rows[pos] = the received row's index in recv_x viewed as
+    [2 * R * C, D] (parity * R * C + p)."""
     r = tl.program_id(0)
     b = tl.program_id(1)
     parity = tl.load(seq_ptr) % 2
@@ -273,39 +278,8 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     pos = start + rank_in_block
     tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
     tl.store(w_out_ptr + p * K + k, w, mask=pair)
+    tl.store(rows_ptr + pos, parity * R * C + p, mask=pair & valid)
 
-
-@triton.jit
-def _scatter_rows_kernel(x_ptr, x_scale_ptr, pos_ptr, count_ptr, seq_ptr, recv_ptr, recv_scale_ptr, C,
-                         R: tl.constexpr, D: tl.constexpr, K: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                         PROGRAMS: tl.constexpr):
-    """Each received row (source r, slot s < count[parity, r]) is read once, ROWS rows per program step,
-    and written to the batch rows pos[r * C + s, k] >= 0 (with its fp8 scales when FP8)."""
-    pid = tl.program_id(0)
-    parity = tl.load(seq_ptr) % 2
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    gg = tl.arange(0, BLOCK_G)
-    gmask = gg < G
-    for r in tl.static_range(R):
-        count = tl.load(count_ptr + parity * R + r)
-        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
-            s = first + tl.arange(0, ROWS)
-            smask = s < count
-            src = ((parity * R + r) * C + s).to(tl.int64)
-            m = smask[:, None] & cmask[None, :]
-            row = tl.load(recv_ptr + src[:, None] * D + cols[None, :], mask=m)
-            if FP8:
-                scale = tl.load(recv_scale_ptr + src[:, None] * G + gg[None, :], mask=smask[:, None] & gmask[None, :])
-            p = r * C + s
-            for k in tl.static_range(K):
-                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
-                to = tl.maximum(pos, 0).to(tl.int64)
-                tl.store(x_ptr + to[:, None] * D + cols[None, :], row, mask=m & (pos >= 0)[:, None])
-                if FP8:
-                    tl.store(x_scale_ptr + to[:, None] * G + gg[None, :], scale,
-                             mask=(pos >= 0)[:, None] & gmask[None, :])
 
 def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
                  num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,9 +319,10 @@ def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Te
         PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
-def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> None:
-    """Block the stream (one spinning program) until every rank signalled epoch seq_1 into flag_R."""
-    _wait_kernel[(1,)](flag_R, seq_1, R=flag_R.shape[0], PROGRAMS=launch.programs, num_warps=1)
+def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int) -> None:
+    """Block the stream (one spinning program) until every rank's `programs` signalling programs
+    signalled epoch seq_1 into flag_R."""
+    _wait_kernel[(1,)](flag_R, seq_1, R=flag_R.shape[0], PROGRAMS=programs, num_warps=1)
 
 
 def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
@@ -360,10 +335,10 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
     """
     N, D = y_ND.shape
     R = counts_R.shape[0]
-    _combine_send_kernel[(launch.programs,)](
+    _combine_send_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
         R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D),
-        PROGRAMS=launch.programs, num_warps=launch.num_warps)
+        PROGRAMS=launch.combine_programs, num_warps=launch.combine_warps)
 
 
 def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
@@ -396,36 +371,22 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
 
 
 def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
-                 start_BL: torch.Tensor, blocks: LayoutBlocks) -> tuple[torch.Tensor, torch.Tensor]:
-    """pos_PK int32 [P, K] (batch row of each received pair, -1 none) and weights_PK float32 [P, K]; rows
-    past a source's count are left unset. start_BL: int32 [B, L], the batch row of each block's first
-    pair of each expert."""
+                 start_BL: torch.Tensor, blocks: LayoutBlocks, max_rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert-sorted batch as an index, and combine's routing state. No host sync.
+
+    Returns pos_PK int32 [P, K] (batch row of each received pair, -1 none; rows past a source's count
+    are left unset), weights_PK float32 [P, K], and rows_N int32 [max_rows]: the batch's row index into
+    recv_x viewed as [2 * R * C, D] (0 past the valid rows). start_BL: int32 [B, L], the batch row of
+    each block's first pair of each expert; max_rows: at least the valid rows.
+    """
     _, R, C, K = recv_ids.shape
     L = start_BL.shape[1]
     dev = recv_ids.device
     pos_PK = torch.empty(R * C, K, dtype=torch.int32, device=dev)
     weights_PK = torch.empty(R * C, K, dtype=torch.float32, device=dev)
+    rows_N = torch.zeros(max_rows, dtype=torch.int32, device=dev)
     _layout_place_kernel[(R, blocks.blocks_per_rank)](
-        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, R=R, C=C, K=K, L=L,
+        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, rows_N, R=R, C=C, K=K, L=L,
         NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
-    return pos_PK, weights_PK
-
-
-def scatter_rows(recv_x: torch.Tensor, recv_scale: torch.Tensor | None, recv_count: torch.Tensor,
-                 seq_1: torch.Tensor, pos_PK: torch.Tensor, rows: int,
-                 launch: HtLaunch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batch: x [rows, D] (and x_scale [rows, G] float32 when recv_scale is given), batch row
-    pos_PK[p, k] = received row p (of parity seq_1 % 2). recv_x: [2, R, C, D]; recv_scale: [2, R, C, G].
-    Rows no pair maps to (past the valid rows) are left unset."""
-    _, R, C, D = recv_x.shape
-    K = pos_PK.shape[1]
-    x = torch.empty(rows, D, dtype=recv_x.dtype, device=recv_x.device)
-    fp8 = recv_scale is not None
-    G = recv_scale.shape[-1] if fp8 else 1
-    x_scale = torch.empty(rows, G, dtype=torch.float32, device=recv_x.device) if fp8 else None
-    if rows:
-        _scatter_rows_kernel[(launch.copy_programs,)](
-            x, x_scale if fp8 else x, pos_PK, recv_count, seq_1, recv_x, recv_scale if fp8 else recv_x, C,
-            R=R, D=D, K=K, G=G, FP8=fp8, ROWS=launch.rows(D), BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_G=triton.next_power_of_2(G), PROGRAMS=launch.copy_programs, num_warps=launch.num_warps)
-    return x, x_scale
+    return pos_PK, weights_PK, rows_N

@@ -1,0 +1,60 @@
+"""Probe of the `ht` launch settings on 2 GPUs: programs and warps of the dispatch send and the combine
+send kernels, at one size (default T 4096, D 7168, K 8, E 256), bf16 and fp8 dispatch.
+
+    python3 scripts/ht_probe.py [--tokens 4096] [--iters 20]
+
+Prints, per setting, the median transfer / dispatch / combine time of each rank (epmoe.bench.dispatch
+timing). The winner goes into epmoe/kernels/ht.py `ht_launch`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import torch
+
+from epmoe.bench.dispatch import _ENV, _inputs, _time
+from epmoe.config import MoEConfig
+from epmoe.launch import spawn
+
+# (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps)
+SETTINGS = [(1, 8, 1, 8), (2, 4, 1, 8), (2, 8, 2, 8), (1, 8, 2, 4), (1, 8, 4, 4), (2, 4, 4, 4)]
+
+
+def _rank(ctx, args):
+    from epmoe.dispatch.ht import HtDispatcher
+
+    T, D, K, E = args.tokens, 7168, 8, 256
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
+    out = []
+    for quant in (None, "fp8_block"):
+        cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
+                        quant=quant)
+        d = HtDispatcher(cfg, ctx.group)
+        for dp, dw, cp, cw in SETTINGS:
+            d.launch = dataclasses.replace(d.launch, programs=dp * sms, num_warps=dw,
+                                           combine_programs=cp * sms, combine_warps=cw)
+            t = _time(d, inputs, warmup=3, iters=args.iters)
+            out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw), **t))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    os.environ.update(_ENV)
+    per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=400)
+    print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps':>18}   xfer us   disp us   comb us  (rank 0 / 1)")
+    for a, b in zip(*per_rank):
+        dp, dw, cp, cw = a["setting"]
+        print(f"{a['quant']:>5} {f'{dp},{dw}':>18} {f'{cp},{cw}':>18}   "
+              f"{a['transfer']:4.0f}/{b['transfer']:<4.0f} {a['dispatch']:4.0f}/{b['dispatch']:<4.0f} "
+              f"{a['combine']:4.0f}/{b['combine']:<4.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
