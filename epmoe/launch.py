@@ -4,10 +4,13 @@
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
+import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,8 +59,19 @@ def init_rank(rank: int, world_size: int, device_type: str, init_method: str,
     return RankContext(rank, world_size, device, dist.group.WORLD)
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel kill this rank when the launching process dies (say, killed by a time
+    limit before its own clean-up ran), so that no rank is left running, or spinning on a GPU."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher is already gone
+            os._exit(1)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
             queue, timeout_s: float | None) -> None:
+    _die_with_parent()
     ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)

@@ -1,6 +1,11 @@
 """epmoe.launch.spawn: results by rank (large ones too), a failing rank fails the run without hanging the
-others, and a run past its timeout is killed."""
+others, a run past its timeout is killed, and ranks die with a launcher that is killed."""
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,3 +47,41 @@ def test_spawn_failing_rank_raises_without_hang():
 def test_spawn_timeout():
     with pytest.raises(TimeoutError, match="ran past 3"):
         spawn(_sleeps, 1, "cpu", timeout_s=3)
+
+
+_LAUNCHER = """
+import os, signal, sys, time
+from epmoe.launch import spawn
+
+def record_pid_and_sleep(ctx, folder):
+    # Like a rank blocked in a CUDA call: Python never gets to handle SIGINT (torch's own
+    # parent-death signal), so only a signal that cannot be caught ends it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    open(os.path.join(folder, str(ctx.rank)), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    spawn(record_pid_and_sleep, 2, "cpu", (sys.argv[1],))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("[01]"))) < 2:
+        assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("[01]"))]
+    launcher.send_signal(signal.SIGKILL)  # no clean-up of its own runs
+    launcher.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and
+                 Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+    assert not alive, f"ranks {alive} outlived their killed launcher"
