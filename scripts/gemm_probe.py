@@ -6,9 +6,11 @@ N output columns, K reduction size, G = K / 128 scale groups.
 Times, on one GPU, at D=7168, F=2048, L=32 and t in --tokens (contiguous layout, x already quantized for fp8
 as a dispatcher sends it):
   cur      epmoe.kernels.grouped_gemm.gate_up / down with an explicit GemmConfig (candidates below)
-  exp      EXPERIMENTAL private kernel `_probe_kernel` of this file (not library code): the same tile map,
-           plus DOT2 (fp8: two K blocks of 128 per iteration, two independent dots in flight before
-           the scaled accumulate) and TMA (A and B tiles through host tensor descriptors)
+  exp      EXPERIMENTAL private kernel `_probe_kernel` of this file (not library code): the same tile map
+           and loop, plus: dot2 (fp8: two K blocks of 128 per iteration, both dots issued before the
+           scaled accumulate), defer (fp8: the previous block's dot scaled after this block's dot is
+           issued), tma (A and B tiles through host tensor descriptors), maxnreg (128 registers per
+           thread, so that two 8-warp programs share an SM and overlap one's scaling with the other's MMAs)
   gmm      torch._grouped_mm (bf16 baseline; gate-up without the SiLU-and-mul)
 and prints TFLOP/s and the ratio to gmm (bf16) or to 1276 TFLOP/s dense fp8 peak (fp8), best first, per
 (op, precision, t). Each experimental variant is checked against gate_up_ref / down_ref first (relative
@@ -57,24 +59,34 @@ def C(bm, bn, bk, gm, w, s):
 # fp8 winner (128x256x128, 8 warps, 4 stages), 128x256x64 / 8 warps for bf16. fp8 first: it matters most.
 CURRENT = {
     ("gate_up", "fp8"): [C(64, 128, 128, 8, 8, 4),    # table
-                         C(64, 128, 128, 32, 4, 4), C(64, 128, 128, 16, 4, 3), C(128, 128, 128, 16, 8, 3)],
+                         C(64, 128, 128, 32, 8, 4), C(128, 128, 128, 16, 8, 3), C(128, 128, 128, 32, 8, 4)],
     ("down", "fp8"): [C(128, 128, 128, 8, 8, 3),      # table
-                      C(64, 128, 128, 32, 4, 4), C(128, 128, 128, 16, 8, 4), C(128, 256, 128, 16, 8, 3)],
+                      C(64, 128, 128, 32, 4, 4), C(128, 128, 128, 16, 8, 4), C(64, 256, 128, 16, 8, 4)],
     ("gate_up", "bf16"): [C(128, 128, 64, 8, 8, 3),   # table
                           C(128, 128, 64, 32, 8, 4), C(128, 64, 64, 16, 4, 4), C(64, 128, 64, 16, 4, 4)],
     ("down", "bf16"): [C(128, 256, 64, 8, 8, 3),      # table
                        C(128, 256, 64, 32, 8, 4), C(128, 128, 64, 16, 8, 4)],
 }
-# Experimental kernel candidates: (config, mode, TMA); mode "plain" (the library's loop), "dot2", "defer".
+# Experimental kernel candidates: (config, mode, TMA, maxnreg). mode "plain" is the library's loop; "dot2"
+# holds two K blocks per pipeline stage (twice the shared memory per stage, hence fewer stages); "defer"
+# scales the previous block's dot after issuing this one. maxnreg=128 with <= ~110 KB of shared memory lets
+# two programs share an SM, so one program's scale-and-add overlaps the other's wgmma (Triton waits for
+# each non-chained dot right after issuing it, so within one program they do not overlap).
+_2CTA = 128  # maxnreg for two 8-warp programs per SM
 EXPERIMENTAL = {
-    ("gate_up", "fp8"): [(C(64, 128, 128, 32, 4, 4), "dot2", False), (C(64, 128, 128, 32, 4, 4), "defer", False),
-                         (C(64, 128, 128, 32, 4, 4), "plain", True), (C(128, 128, 128, 16, 8, 3), "dot2", True),
-                         (C(64, 128, 128, 32, 4, 3), "defer", True)],
-    ("down", "fp8"): [(C(128, 128, 128, 16, 8, 3), "dot2", False), (C(128, 128, 128, 16, 8, 4), "defer", False),
-                      (C(128, 128, 128, 16, 8, 4), "plain", True), (C(128, 256, 128, 16, 8, 3), "dot2", True),
-                      (C(128, 128, 128, 16, 8, 4), "defer", True)],
-    ("gate_up", "bf16"): [(C(128, 128, 64, 16, 8, 4), "plain", True)],
-    ("down", "bf16"): [(C(128, 256, 64, 16, 8, 3), "plain", True)],
+    ("gate_up", "fp8"): [(C(64, 128, 128, 32, 8, 2), "plain", False, _2CTA),
+                         (C(64, 128, 128, 32, 8, 2), "plain", True, _2CTA),
+                         (C(64, 128, 128, 32, 8, 4), "plain", True, None),
+                         (C(64, 128, 128, 32, 8, 2), "dot2", True, None),
+                         (C(128, 128, 128, 16, 8, 3), "plain", True, None)],
+    ("down", "fp8"): [(C(128, 128, 128, 16, 8, 3), "plain", False, _2CTA),
+                      (C(128, 128, 128, 16, 8, 3), "plain", True, _2CTA),
+                      (C(128, 128, 128, 16, 8, 4), "plain", True, None),
+                      (C(128, 128, 128, 16, 8, 3), "dot2", True, None),
+                      (C(128, 128, 128, 16, 8, 4), "defer", True, None),
+                      (C(64, 128, 128, 32, 4, 4), "plain", True, None)],
+    ("gate_up", "bf16"): [(C(128, 128, 64, 16, 8, 4), "plain", True, None)],
+    ("down", "bf16"): [(C(128, 256, 64, 16, 8, 3), "plain", True, None)],
 }
 MODES = ("plain", "dot2", "defer")
 
@@ -106,7 +118,8 @@ def _load_ab(a_ptrs, b_ptrs, a_desc, b_desc, row0, brow, k0, up_shift, up_row,
 def _probe_kernel(a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, index_ptr,
                   L, R, N, K, stride_bsl, stride_bsn, G_A, G_C,
                   GATE_UP: tl.constexpr, FP8: tl.constexpr, DOT2: tl.constexpr, DEFER: tl.constexpr,
-                  TMA: tl.constexpr, STEP: tl.constexpr, UPCAST: tl.constexpr, L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TMA: tl.constexpr, STEP: tl.constexpr, UPCAST: tl.constexpr, L_POW2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), fp8 h quantized per
     row per 128 columns when FP8). A [R, K]; B [L, N (x2 gate-up), K]; contiguous offsets [L+1]."""
@@ -236,7 +249,8 @@ def _probe_kernel(a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr,
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def probe_launch(op: str, a, a_scale, w, w_scale, rows: ExpertRows, cfg: GemmConfig, mode: str, tma: bool):
+def probe_launch(op: str, a, a_scale, w, w_scale, rows: ExpertRows, cfg: GemmConfig, mode: str, tma: bool,
+                 maxnreg: int | None = None):
     """Launch the experimental kernel; returns (out, out_scale) (out_scale only for fp8 gate-up)."""
     if mode not in MODES:
         raise ValueError(f"probe: mode must be one of {MODES}, got {mode!r}")
@@ -272,7 +286,8 @@ def probe_launch(op: str, a, a_scale, w, w_scale, rows: ExpertRows, cfg: GemmCon
         GATE_UP=gate, FP8=fp8, DOT2=mode == "dot2", DEFER=mode == "defer", TMA=tma, STEP=step,
         UPCAST=not a.is_cuda,
         L_POW2=max(triton.next_power_of_2(n_rows), 128), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if maxnreg is None or not a.is_cuda else {"maxnreg": maxnreg}))
     return out, out_scale
 
 
@@ -388,23 +403,23 @@ def main() -> None:
         a, a_s, w, w_s = operands(op, prec, weights, x_all[:L * 128], h_all[:L * 128])
         o, os_ = run_current(op, a, a_s, w, w_s, check_rows, CURRENT[(op, prec)][0])
         cur_err = rel_err(op, o, os_, a, a_s, w, w_s, check_rows)
-        for cfg, mode, tma in variants:
-            tag = f"{op} {prec} exp {cfg} {mode} tma={tma}"
+        for cfg, mode, tma, nreg in variants:
+            tag = f"{op} {prec} exp {cfg} {mode} tma={tma} maxnreg={nreg}"
             try:
-                o, os_ = probe_launch(op, a, a_s, w, w_s, check_rows, cfg, mode, tma)
+                o, os_ = probe_launch(op, a, a_s, w, w_s, check_rows, cfg, mode, tma, nreg)
                 err = rel_err(op, o, os_, a, a_s, w, w_s, check_rows)
             except Exception as exc:  # compile failure: record, skip the variant
                 msg = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"# FAIL {tag}: {msg}", flush=True)
                 result["errors"].append({"what": tag, "error": msg})
-                bad.add((op, prec, cfg, mode, tma))
+                bad.add((op, prec, cfg, mode, tma, nreg))
                 continue
             ok = err < max(3 * cur_err, 1e-2)
             print(f"# check {tag}: rel err {err:.2e} (current kernel {cur_err:.2e}) {'ok' if ok else 'MISMATCH'}",
                   flush=True)
             result["checks"].append({"what": tag, "rel_err": err, "current_rel_err": cur_err, "ok": ok})
             if not ok:
-                bad.add((op, prec, cfg, mode, tma))
+                bad.add((op, prec, cfg, mode, tma, nreg))
         save()
     del check_rows
     torch.cuda.empty_cache()
@@ -423,24 +438,25 @@ def main() -> None:
                 w_t = w.transpose(1, 2)
                 ms = bench(lambda: torch._grouped_mm(a, w_t, offs=offs, out_dtype=torch.bfloat16))
                 entries.append({"impl": "gmm", "config": None, "ms": ms})
-            runs = [("cur", cfg, "", False) for cfg in cur_list]
-            runs += [("exp", cfg, mode, tm) for cfg, mode, tm in EXPERIMENTAL.get((op, prec), [])
-                     if (op, prec, cfg, mode, tm) not in bad]
-            for impl, cfg, mode, tma in runs:
+            runs = [("cur", cfg, "", False, None) for cfg in cur_list]
+            runs += [("exp", cfg, mode, tm, nreg) for cfg, mode, tm, nreg in EXPERIMENTAL.get((op, prec), [])
+                     if (op, prec, cfg, mode, tm, nreg) not in bad]
+            for impl, cfg, mode, tma, nreg in runs:
                 if time.perf_counter() - t_start > args.budget_s:
                     result["errors"].append({"what": f"{op} {prec} t={t} {impl} {cfg}", "error": "time budget"})
                     continue
                 fn = ((lambda c=cfg: run_current(op, a, a_s, w, w_s, rows, c)) if impl == "cur" else
-                      (lambda c=cfg, md=mode, tm=tma: probe_launch(op, a, a_s, w, w_s, rows, c, md, tm)))
+                      (lambda c=cfg, md=mode, tm=tma, nr=nreg: probe_launch(op, a, a_s, w, w_s, rows, c, md, tm, nr)))
                 try:
                     ms = bench(fn)
                 except Exception as exc:
                     msg = f"{type(exc).__name__}: {str(exc)[:300]}"
                     print(f"# FAIL {op} {prec} t={t} {impl} {cfg}: {msg}", flush=True)
-                    result["errors"].append({"what": f"{op} {prec} t={t} {impl} {cfg} {mode} tma={tma}",
+                    result["errors"].append({"what": f"{op} {prec} t={t} {impl} {cfg} {mode} tma={tma} maxnreg={nreg}",
                                              "error": msg})
                     continue
-                entries.append({"impl": impl, "config": cfg.to_dict(), "mode": mode, "tma": tma, "ms": ms})
+                entries.append({"impl": impl, "config": cfg.to_dict(), "mode": mode, "tma": tma, "maxnreg": nreg,
+                                "ms": ms})
             base = next((e["ms"] for e in entries if e["impl"] == "gmm"), None)
             for e in entries:
                 e["tflops"] = flops / e["ms"] / 1e9
@@ -453,7 +469,8 @@ def main() -> None:
                 desc = ("torch._grouped_mm" if c is None else
                         f"{e['impl']} m{c['block_m']} n{c['block_n']} k{c['block_k']} g{c['group_m']} "
                         f"w{c['num_warps']} s{c['num_stages']}" + (f" {e['mode']}" if e.get("mode") else "")
-                        + (" tma" if e.get("tma") else ""))
+                        + (" tma" if e.get("tma") else "")
+                        + (f" maxnreg{e['maxnreg']}" if e.get("maxnreg") else ""))
                 print(f"  {e['tflops']:7.1f} TFLOP/s  {e['ratio']:5.3f}  {e['ms']:8.3f} ms  {desc}", flush=True)
             result["points"].append({"op": op, "prec": prec, "t": t, "R": R, "N": N, "K": K, "flops": flops,
                                      "entries": entries})
