@@ -40,12 +40,14 @@ SCALE_GROUP = 128
 SCALE_GROUP_C = tl.constexpr(SCALE_GROUP)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from epmoe.bench.experts import TUNE_BUCKETS, candidates  # noqa: E402
 from epmoe.kernels.configs import GemmConfig  # noqa: E402
 from epmoe.kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref  # noqa: E402
 from epmoe.kernels.quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8  # noqa: E402
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, quantize_weight_ref  # noqa: E402
 
 D, F, L = 7168, 2048, 32
+DEVICE = "cuda"
 PEAK_FP8 = 1276.0
 TIME_BUDGET_S = 185.0  # stop starting new candidates after this (the lead's call is ~4 minutes)
 
@@ -54,19 +56,10 @@ def C(bm, bn, bk, gm, w, s):
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=w, num_stages=s)
 
 
-# Current kernel candidates per (op, precision); the table's current entry first. Sources: vLLM's tuned
-# H200 fp8 block configs at large M (64x128x128, 4 warps, 3-4 stages, GROUP_M 16-32), tritonbench's Hopper
-# fp8 winner (128x256x128, 8 warps, 4 stages), 128x256x64 / 8 warps for bf16. fp8 first: it matters most.
-CURRENT = {
-    ("gate_up", "fp8"): [C(64, 128, 128, 8, 8, 4),    # table
-                         C(64, 128, 128, 32, 8, 4), C(128, 128, 128, 16, 8, 3), C(128, 128, 128, 32, 8, 4)],
-    ("down", "fp8"): [C(128, 128, 128, 8, 8, 3),      # table
-                      C(64, 128, 128, 32, 4, 4), C(128, 128, 128, 16, 8, 4), C(64, 256, 128, 16, 8, 4)],
-    ("gate_up", "bf16"): [C(128, 128, 64, 8, 8, 3),   # table
-                          C(128, 128, 64, 32, 8, 4), C(128, 64, 64, 16, 4, 4), C(64, 128, 64, 16, 4, 4)],
-    ("down", "bf16"): [C(128, 256, 64, 8, 8, 3),      # table
-                       C(128, 256, 64, 32, 8, 4), C(128, 128, 64, 16, 8, 4)],
-}
+# Current kernel candidates per (op, precision): the --tune list of the large-M bucket (the table's entry
+# first), fp8 first since it matters most. See LARGE_M_CANDIDATES in epmoe/bench/experts.py for sources.
+CURRENT = {(op, prec): candidates(op, prec == "fp8", TUNE_BUCKETS[-1])
+           for prec in ("fp8", "bf16") for op in ("gate_up", "down")}
 # Experimental kernel candidates: (config, mode, TMA, maxnreg). mode "plain" is the library's loop; "dot2"
 # holds two K blocks per pipeline stage (twice the shared memory per stage, hence fewer stages); "defer"
 # scales the previous block's dot after issuing this one. maxnreg=128 with <= ~110 KB of shared memory lets
@@ -325,14 +318,20 @@ def run_current(op, a, a_s, w, w_s, rows, cfg):
     return down(a, w, rows, h_scale_RG=a_s, w2_scale=w_s, out_dtype=torch.bfloat16, config=cfg), None
 
 
-def rel_err(op, out, out_scale, a, a_s, w, w_s, rows) -> float:
+def reference(op, a, a_s, w, w_s, rows) -> torch.Tensor:
     if op == "gate_up":
-        ref = gate_up_ref(a, w, rows, x_scale_RG=a_s, w13_scale=w_s)
-        got = dequantize_act_ref(out, out_scale) if out_scale is not None else out.float()
-    else:
-        ref = down_ref(a, w, rows, h_scale_RG=a_s, w2_scale=w_s)
-        got = out.float()
+        return gate_up_ref(a, w, rows, x_scale_RG=a_s, w13_scale=w_s)
+    return down_ref(a, w, rows, h_scale_RG=a_s, w2_scale=w_s)
+
+
+def err_vs(ref, out, out_scale) -> float:
+    """Relative Frobenius error of an output (fp8 h with its scales, or bf16) against the float32 reference."""
+    got = dequantize_act_ref(out, out_scale) if out_scale is not None else out.float()
     return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def rel_err(op, out, out_scale, a, a_s, w, w_s, rows) -> float:
+    return err_vs(reference(op, a, a_s, w, w_s, rows), out, out_scale)
 
 
 def selftest() -> None:
@@ -376,17 +375,17 @@ def main() -> None:
     if args.selftest:
         selftest()
         return
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gemm_probe needs a CUDA GPU (or --selftest)")
     t_start = time.perf_counter()
     out_dir = Path(args.out or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     weights = make_weights(L, D, F, dev)
     t_max = max(args.tokens)
     x_all = torch.randn(L * t_max, D, dtype=torch.bfloat16, device=dev)
     h_all = torch.randn(L * t_max, F, dtype=torch.bfloat16, device=dev)
-    result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev), "torch": torch.__version__, "triton": triton.__version__,
               "D": D, "F": F, "L": L, "points": [], "errors": [], "checks": []}
 
     def save():
@@ -401,13 +400,12 @@ def main() -> None:
     bad = set()
     for (op, prec), variants in EXPERIMENTAL.items():
         a, a_s, w, w_s = operands(op, prec, weights, x_all[:L * 128], h_all[:L * 128])
-        o, os_ = run_current(op, a, a_s, w, w_s, check_rows, CURRENT[(op, prec)][0])
-        cur_err = rel_err(op, o, os_, a, a_s, w, w_s, check_rows)
+        ref = reference(op, a, a_s, w, w_s, check_rows)
+        cur_err = err_vs(ref, *run_current(op, a, a_s, w, w_s, check_rows, CURRENT[(op, prec)][0]))
         for cfg, mode, tma, nreg in variants:
             tag = f"{op} {prec} exp {cfg} {mode} tma={tma} maxnreg={nreg}"
             try:
-                o, os_ = probe_launch(op, a, a_s, w, w_s, check_rows, cfg, mode, tma, nreg)
-                err = rel_err(op, o, os_, a, a_s, w, w_s, check_rows)
+                err = err_vs(ref, *probe_launch(op, a, a_s, w, w_s, check_rows, cfg, mode, tma, nreg))
             except Exception as exc:  # compile failure: record, skip the variant
                 msg = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"# FAIL {tag}: {msg}", flush=True)
@@ -420,9 +418,11 @@ def main() -> None:
             result["checks"].append({"what": tag, "rel_err": err, "current_rel_err": cur_err, "ok": ok})
             if not ok:
                 bad.add((op, prec, cfg, mode, tma, nreg))
+        del ref
         save()
     del check_rows
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
     for t in args.tokens:
         rows = contiguous_rows(L, t, dev)
@@ -436,8 +436,11 @@ def main() -> None:
             entries = []
             if prec == "bf16" and hasattr(torch, "_grouped_mm"):
                 w_t = w.transpose(1, 2)
-                ms = bench(lambda: torch._grouped_mm(a, w_t, offs=offs, out_dtype=torch.bfloat16))
-                entries.append({"impl": "gmm", "config": None, "ms": ms})
+                try:
+                    ms = bench(lambda: torch._grouped_mm(a, w_t, offs=offs, out_dtype=torch.bfloat16))
+                    entries.append({"impl": "gmm", "config": None, "ms": ms})
+                except Exception as exc:
+                    print(f"# FAIL torch._grouped_mm {op} t={t}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             runs = [("cur", cfg, "", False, None) for cfg in cur_list]
             runs += [("exp", cfg, mode, tm, nreg) for cfg, mode, tm, nreg in EXPERIMENTAL.get((op, prec), [])
                      if (op, prec, cfg, mode, tm, nreg) not in bad]
