@@ -67,10 +67,12 @@ class Workspace:
         self.rank, self.world_size = rank, len(bases)
         self.base_R = torch.tensor(bases, dtype=torch.int64, device=raw.device)
         self._peers = {name: self.base_R + off for name, off in self._offsets.items()}
+        # views made once: a dispatcher looks buffers up several times per call
+        self._local = {name: raw[off:off + self.specs[name].nbytes].view(self.specs[name].dtype)
+                       .view(self.specs[name].shape) for name, off in self._offsets.items()}
 
     def local(self, name: str) -> torch.Tensor:
-        spec, off = self.specs[name], self._offsets[name]
-        return self._raw[off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+        return self._local[name]
 
     def peers(self, name: str) -> torch.Tensor:
         return self._peers[name]

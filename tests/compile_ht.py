@@ -56,6 +56,13 @@ def main() -> None:
             k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32", C="i32",
                                          NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L)), ["ids_ptr", "table_ptr"], 4, 1), failures, False)
+        BL = triton.next_power_of_2(L)
+        check(f"layout_scan L{L}", compile_hopper(
+            k._layout_scan_kernel,
+            dict(table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i32",
+                 start_ptr="*i32", recv_counts_ptr="*i32", B="i32"),
+            dict(R=2, L=L, BLOCK_B=max(1, 8192 // BL), BLOCK_L=BL, BLOCK_R=2), ["table_ptr", "start_ptr"], 8, 1),
+            failures, False)
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,
             dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",

@@ -11,6 +11,7 @@ outputs against a float32 reference from the same expert outputs.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -284,9 +285,11 @@ GPU_CASES = [
     (6, 3, 200, 33, "fp8_block", "source"),
     (6, 3, 200, 33, None, "reduce"),
 ]
-GRAPH_CASES = [(GPU_CASES[0], False), (GPU_CASES[1], True), (GPU_CASES[2], True)]  # (case, split phases)
+# (case, split phases): DeepSeek-V3 fp8 through the fused calls, the odd small shape through the split
+# phases (two cases: each compiles its own kernels, and the run must stay within SPAWN_TIMEOUT_S)
+GRAPH_CASES = [(GPU_CASES[0], False), (GPU_CASES[3], True)]
 WAIT_TIMEOUT_S = 10.0  # device-side waits give up after this (the ranks compile the same kernels at once)
-SPAWN_TIMEOUT_S = 150.0  # the whole 2-rank run, so a hang fails the test instead of stalling it
+SPAWN_TIMEOUT_S = 240.0  # the whole 2-rank run, so a hang fails the test instead of stalling it
 
 
 def _call(d: LLDispatcher, cfg: MoEConfig, x, ids, w, split: bool):
@@ -361,12 +364,14 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
     errors = []
     for item in cases:
         case, split = item if replays else (item, False)
+        t0 = time.monotonic()
         E, K, D, Tmax, quant, combine = case
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
                         max_tokens_per_rank=Tmax)
         d = make_dispatcher("ll", cfg, ctx.group, combine=combine, wait_timeout_s=WAIT_TIMEOUT_S)
         errs = _gpu_graph(ctx, d, cfg, replays, split) if replays else _gpu_eager(ctx, d, cfg)
         errors += [f"{case}{' split' if split else ''}: {e}" for e in errs]
+        print(f"rank {ctx.rank}: {case}{' split' if split else ''} done in {time.monotonic() - t0:.0f} s", flush=True)
         flag = torch.tensor([int(d.timed_out())], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():

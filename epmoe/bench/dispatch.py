@@ -5,7 +5,8 @@
 
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
-(median after warm-up; two input sets alternate). Reported per rank:
+(median after warm-up; two input sets alternate; a ~0.2 ms device spin between dispatch and combine stands
+in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
 - time of dispatch (split into transfer and layout for ht) and combine (us), and of the `alltoall` dispatcher on the same bf16 data, with the
   end-to-end ratio (alltoall dispatch + combine) / (ht dispatch + combine);
 - link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
@@ -61,6 +62,12 @@ def _inputs(T: int, D: int, E: int, K: int, device, seed: int):
     return x, ids, w
 
 
+# Between dispatch and combine the stream spins this long, standing in for the experts (milliseconds
+# in a layer): the host queues the combine meanwhile, so the combine time is the GPU's, as in a layer,
+# not the host's launch latency after dispatch's host sync.
+EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+
+
 def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (send kernel + wait for all ranks' rows)."""
@@ -84,6 +91,7 @@ def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
         else:
             b = dispatcher._dispatch(x, ids, w)
             e1.record()
+        torch.cuda._sleep(EXPERTS_STAND_IN_CYCLES)
         e2.record()
         dispatcher._combine(ys[i % len(inputs)], b)
         e3.record()

@@ -226,24 +226,21 @@ class HtDispatcher(Dispatcher):
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]).
 
         Work proportional to the pairs received: a count and a place kernel over blocks of received
-        rows and a few small torch ops on the [B, L] table of per-block counts; no row is copied.
+        rows, with a one-program scan of the [B, L] table of per-block counts between them (four
+        launches in all, as few as possible: the host waits for them); no row is copied.
         """
-        R, L = self.world_size, self.num_local_experts
+        L = self.num_local_experts
         seq = self.ws.local("dispatch_seq")
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
         table_BL = kernels.layout_count(recv_ids, recv_count, seq, self.blocks, L)
-        counts_L = table_BL.sum(0, dtype=torch.int32)
-        offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=self.device)
-        torch.cumsum(counts_L, 0, out=offsets_L1[1:])
-        start_BL = torch.cumsum(table_BL, 0, dtype=torch.int32) - table_BL + offsets_L1[:L]
+        counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, seq)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL,
                                                           self.blocks, self.max_recv_rows)
-        recv_counts_R = recv_count.index_select(0, (seq % 2).long()).view(R)
         # everything above is queued before the host waits for n
         n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
         D = self.cfg.hidden_size
-        x_scale = self.ws.local("recv_scale").view(2 * R * self.capacity, -1) if self.fp8 else None
+        x_scale = self.ws.local("recv_scale").view(-1, num_groups(D)) if self.fp8 else None
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self.ws.local("recv_x").view(-1, D), x_scale=x_scale,

@@ -251,6 +251,36 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
 
 
 @triton.jit
+def _layout_scan_kernel(table_ptr, count_ptr, seq_ptr, counts_ptr, offsets_ptr, start_ptr, recv_counts_ptr,
+                        B, R: tl.constexpr, L: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
+    """One program: counts[l] = sum_b table[b, l]; offsets = exclusive prefix sum of counts (L+1
+    entries); start[b, l] = offsets[l] + sum_{b' < b} table[b', l] (the batch row of block b's first
+    pair of expert l); recv_counts[r] = recv_count[parity, r]."""
+    parity = tl.load(seq_ptr) % 2
+    rr = tl.arange(0, BLOCK_R)
+    tl.store(recv_counts_ptr + rr, tl.load(count_ptr + parity * R + rr, mask=rr < R), mask=rr < R)
+    ll = tl.arange(0, BLOCK_L)
+    lmask = ll < L
+    totals = tl.zeros([BLOCK_L], dtype=tl.int32)
+    for b0 in range(0, B, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        tile = tl.load(table_ptr + bb[:, None] * L + ll[None, :], mask=(bb < B)[:, None] & lmask[None, :], other=0)
+        totals += tl.sum(tile, axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    tl.store(counts_ptr + ll, totals, mask=lmask)
+    tl.store(offsets_ptr + ll, ends - totals, mask=lmask)
+    tl.store(offsets_ptr + L, tl.sum(totals, axis=0))
+    running = ends - totals
+    for b0 in range(0, B, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        m = (bb < B)[:, None] & lmask[None, :]
+        tile = tl.load(table_ptr + bb[:, None] * L + ll[None, :], mask=m, other=0)
+        tl.store(start_ptr + bb[:, None] * L + ll[None, :], running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
+        running += tl.sum(tile, axis=0)
+
+
+@triton.jit
 def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, rows_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -368,6 +398,26 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
                                   BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
                                   BLOCK_L=triton.next_power_of_2(L), num_warps=4)
     return table_BL
+
+
+def layout_scan(table_BL: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the per-block counts table_BL int32 [B, L]: counts_L int32 [L], offsets_L1 int32 [L+1]
+    (exclusive prefix sum), start_BL int32 [B, L] (batch row of each block's first pair of each
+    expert) and recv_counts_R int32 [R] (rows received from each rank, parity seq_1 % 2 of
+    recv_count [2, R]). One program, no host sync."""
+    B, L = table_BL.shape
+    R = recv_count.shape[1]
+    dev = table_BL.device
+    counts_L = torch.empty(L, dtype=torch.int32, device=dev)
+    offsets_L1 = torch.empty(L + 1, dtype=torch.int32, device=dev)
+    start_BL = torch.empty_like(table_BL)
+    recv_counts_R = torch.empty(R, dtype=torch.int32, device=dev)
+    BLOCK_L = triton.next_power_of_2(L)
+    _layout_scan_kernel[(1,)](table_BL, recv_count, seq_1, counts_L, offsets_L1, start_BL, recv_counts_R, B,
+                              R=R, L=L, BLOCK_B=max(1, 8192 // BLOCK_L), BLOCK_L=BLOCK_L,
+                              BLOCK_R=triton.next_power_of_2(R), num_warps=8)
+    return counts_L, offsets_L1, start_BL, recv_counts_R
 
 
 def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
