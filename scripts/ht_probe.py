@@ -30,11 +30,11 @@ def _rank(ctx, args):
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
     out = []
-    for quant in (None, "fp8_block"):
+    for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
         d = HtDispatcher(cfg, ctx.group)
-        for dp, dw, cp, cw in SETTINGS:
+        for dp, dw, cp, cw in args.settings:
             d.launch = dataclasses.replace(d.launch, programs=dp * sms, num_warps=dw,
                                            combine_programs=cp * sms, combine_warps=cw)
             t = _time(d, inputs, warmup=3, iters=args.iters)
@@ -50,7 +50,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=150, help="seconds before the ranks are killed")
+    p.add_argument("--settings", default=";".join(",".join(map(str, s)) for s in SETTINGS),
+                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps'")
+    p.add_argument("--fp8-only", action="store_true")
+    p.add_argument("--bf16-only", action="store_true")
     args = p.parse_args()
+    args.settings = [tuple(int(v) for v in item.split(",")) for item in args.settings.split(";")]
+    args.quants = [q for q, skip in ((None, args.fp8_only), ("fp8_block", args.bf16_only)) if not skip]
     os.environ.update(_ENV)
     per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=args.timeout)
     print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps':>18}   xfer us   disp us   comb us  (rank 0 / 1)")

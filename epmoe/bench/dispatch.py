@@ -77,10 +77,10 @@ def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
         b = dispatcher._dispatch(x, ids, w)
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(warmup + iters)]
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
     dist.barrier()
     torch.cuda.synchronize()
-    for i, (e0, e1, e2, e3) in enumerate(ev):
+    for i, (e0, e1, e2, e3, e4) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
         e0.record()
         if ht:
@@ -91,16 +91,17 @@ def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
         else:
             b = dispatcher._dispatch(x, ids, w)
             e1.record()
-        torch.cuda._sleep(EXPERTS_STAND_IN_CYCLES)
         e2.record()
-        dispatcher._combine(ys[i % len(inputs)], b)
+        torch.cuda._sleep(EXPERTS_STAND_IN_CYCLES)
         e3.record()
+        dispatcher._combine(ys[i % len(inputs)], b)
+        e4.record()
     torch.cuda.synchronize()
 
     def median(a: int, z: int) -> float:
         return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])
 
-    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(2, 3))
+    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(3, 4))
 
 
 def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
