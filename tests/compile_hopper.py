@@ -25,7 +25,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    names = list(sig)
+    names = fn.arg_names  # attributes are keyed by the kernel's parameter positions
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
         src = ASTSource(fn, sig, constexprs, attrs)
@@ -67,8 +67,15 @@ def main() -> None:
                 a_ptr=a, a_scale_ptr="*fp32", a_rows_ptr="*i32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
                 row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
                 stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
+            gather = gate and bound > 64
+            if cfg.tma:  # TMA descriptors for B, and for A unless A is read through a row index
+                signature["b_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {cfg.block_k}]>"
+                if not gather:
+                    signature["a_desc"] = f"tensordesc<{a[1:]}[{cfg.block_m}, {cfg.block_k}]>"
+            descriptors = {name: None for name in ("a_desc", "b_desc") if name not in signature}
             constexprs = dict(
-                BATCHED=bound <= 64, GATHER=gate and bound > 64, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
+                descriptors, TMA_A="a_desc" in signature, TMA_B="b_desc" in signature,
+                BATCHED=bound <= 64, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
                 TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
                 EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, SCALE_GROUP=128)

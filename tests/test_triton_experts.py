@@ -23,7 +23,7 @@ from epmoe.experts.triton import TritonExperts  # noqa: E402
 from epmoe.interfaces import ExpertBatch, Layout  # noqa: E402
 from epmoe.kernels import configs  # noqa: E402
 from epmoe.kernels.configs import GemmConfig, gemm_config  # noqa: E402
-from epmoe.kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref  # noqa: E402
+from epmoe.kernels.grouped_gemm import ExpertRows, _descriptor, down, down_ref, gate_up, gate_up_ref  # noqa: E402
 from epmoe.kernels.quant import quantize_act  # noqa: E402
 from epmoe.quant import dequantize_act_ref, quantize_act_ref, quantize_weight_ref  # noqa: E402
 from epmoe.registry import auto_experts_order, list_experts, resolve_experts  # noqa: E402
@@ -127,6 +127,42 @@ def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F, x_fp8
     torch.testing.assert_close(hs[mask], quantize_act_ref(h_ref)[1][mask], rtol=1e-4, atol=0)
     y = down(h, q2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, config=cfg)
     y_ref = down_ref(h, q2, rows, h_scale_RG=hs, w2_scale=s2)
+    torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 0]])
+@pytest.mark.parametrize("layout", ["contiguous", "batched", "indexed"])  # indexed: A by pointers, B by TMA
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tma_loads_match_reference(counts, layout, fp8):
+    """Tiles loaded through TMA descriptors (GemmConfig.tma) give the pointer loads' results, with a
+    partial last K tile (bf16: K = 80 with 32-column tiles)."""
+    L, D, F = len(counts), (144 if fp8 else 80), (128 if fp8 else 48)
+    rows, R = make_rows(counts, layout == "batched")
+    w13, w2 = weights(L, D, F)
+    x = torch.randn(R, D, device=DEVICE).bfloat16()
+    x_rows = None
+    if layout == "indexed":
+        x_rows = torch.randint(0, R // 2 + 1, (R,), dtype=torch.int32).to(DEVICE)
+        x = x[: R // 2 + 1]
+    cfg = GemmConfig(block_m=16, block_n=128 if fp8 else 32, block_k=128 if fp8 else 32, tma=True)
+    assert _descriptor(w13.view(-1, D), [cfg.block_n, cfg.block_k]) is not None
+    mask = valid_mask(rows, R)
+    if fp8:
+        (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
+        xq, xs = quantize_act_ref(x)
+        h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows, config=cfg)
+        h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows)
+        torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0],
+                                   atol=FP8_H_TOL[1])
+        y = down(h, q2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, config=cfg)
+        y_ref = down_ref(h, q2, rows, h_scale_RG=hs, w2_scale=s2)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        h, _ = gate_up(x, w13, rows, x_rows_R=x_rows, config=cfg)
+        torch.testing.assert_close(h[mask].float(), gate_up_ref(x, w13, rows, x_rows_R=x_rows)[mask],
+                                   rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1])
+        y = down(h, w2, rows, config=cfg)
+        y_ref = down_ref(h, w2, rows)
     torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
 
 

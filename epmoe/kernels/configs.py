@@ -23,7 +23,9 @@ class GemmConfig:
     """Tile sizes and launch settings of one grouped GEMM launch.
 
     block_m >= 16 (tl.dot's minimum); block_k divides 128 when fp8 (one K block within one scale group);
-    group_m is the number of row tiles that share a pass over the column tiles (L2 reuse).
+    group_m is the number of row tiles that share a pass over the column tiles (L2 reuse); tma: load
+    tiles through TMA descriptors (Hopper and later; rows read through a batch's row index still use
+    pointer loads).
     """
 
     block_m: int
@@ -32,6 +34,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):

@@ -89,10 +89,11 @@ class ExpertRows:
 
 @triton.jit
 def _grouped_gemm_kernel(
-        a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
-        L, SLOT_ROWS, R, N, K,
+        a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr,
+        index_ptr, L, SLOT_ROWS, R, N, K,
         stride_bl, stride_bsl, stride_bsn, G_A, G_C,
         BATCHED: tl.constexpr, GATHER: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
+        TMA_A: tl.constexpr, TMA_B: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -101,6 +102,10 @@ def _grouped_gemm_kernel(
 
     A [R, K] row-major, or with GATHER [S, K] read through a_rows [R] (row i of the batch is A[a_rows[i]]);
     B [L, N (x2 for GATE_UP), K] K-contiguous; C [R, N].
+    TMA_A / TMA_B: A tiles through a_desc ([R, K], block [BLOCK_M, BLOCK_K]; not with GATHER) and B tiles
+    through b_desc (B viewed as [L * N (x2), K], block [BLOCK_N, BLOCK_K]) instead of pointer loads;
+    rows and columns a tile reads past its expert's end belong to the next expert or are zeros past the
+    tensor, and are never stored.
     TILE_B_SCALE: the column tile lies in one 128-row weight scale block (gate and up alike), so
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
@@ -154,6 +159,7 @@ def _grouped_gemm_kernel(
         a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]
         b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         up_shift = N * K
+        b_row = expert * (2 * N if GATE_UP else N) + pid_n * BLOCK_N  # B's first row of the tile, as [L * N, K]
         if FP8:
             if not QUANT_A:
                 a_scale_ptrs = a_scale_ptr + rows_a * G_A
@@ -167,17 +173,24 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
+            if TMA_A:
+                a = a_desc.load([row0, k0])
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
+            if TMA_B:
+                b = b_desc.load([b_row, k0]).T
+                if GATE_UP:
+                    b_up = b_desc.load([b_row + N, k0]).T
+            elif EVEN_K:
                 b = tl.load(b_ptrs)
                 if GATE_UP:
                     b_up = tl.load(b_ptrs + up_shift)
             else:
-                k_mask = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
                 if GATE_UP:
-                    b_up = tl.load(b_ptrs + up_shift, mask=k_mask[:, None], other=0.0)
+                    b_up = tl.load(b_ptrs + up_shift, mask=(offs_k < K - k0)[:, None], other=0.0)
             if QUANT_A:
                 a32 = a.to(tl.float32)
                 a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), MIN_AMAX_C), FP8_MAX_C)
@@ -269,6 +282,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor of the 2-D tensor t with tiles `block`, or None where TMA cannot read it: no
+    TensorDescriptor in this Triton, a GPU before Hopper (the interpreter emulates it), strides or the
+    base address not 16-byte aligned."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    if t.is_cuda and not _has_tma(t.device.index):
+        return None
+    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def _max_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index) * _PROGRAMS_PER_SM
@@ -285,15 +318,18 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         return
     fp8 = w.dtype == FP8_DTYPE
     dummy = out  # placeholder pointer for arguments a variant does not read
+    a_desc = _descriptor(a, [cfg.block_m, cfg.block_k]) if cfg.tma and a_rows is None else None
+    b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if cfg.tma else None
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
-        a, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
-        w, w_scale.contiguous() if fp8 else dummy, out,
+        a, a_desc, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
+        w, b_desc, w_scale.contiguous() if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
         rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N),
-        BATCHED=rows.batched, GATHER=a_rows is not None, GATE_UP=gate_up, FP8=fp8, QUANT_OUT=out_scale is not None,
+        BATCHED=rows.batched, GATHER=a_rows is not None, GATE_UP=gate_up,
+        TMA_A=a_desc is not None, TMA_B=b_desc is not None, FP8=fp8, QUANT_OUT=out_scale is not None,
         HAS_ROW_SCALE=row_scale is not None,
         TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0),
         QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
