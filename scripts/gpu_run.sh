@@ -4,8 +4,8 @@
 #   scripts/gpu_run.sh [OUT] [STAGES]
 #
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
-#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer
-# (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer, gemm
+# (gemm: scripts/gemm_probe.py, the launch-config probe behind the large-M table entries) (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -13,7 +13,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer,gemm}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -62,6 +62,7 @@ stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
 stage dispatch "${EPMOE[@]}" bench dispatch --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc 2 --out "$OUT"
+stage gemm     "${LIMIT[@]}" "$PY" scripts/gemm_probe.py --out "$OUT"
 
 {
     printf '%-10s %-12s %s\n' stage result seconds

@@ -209,15 +209,18 @@ def run_bench(args, dev: torch.device) -> dict:
                                                   "copy_tbps": COPY_TBPS}, "points": rows}
 
 
-# Large-M candidates (the last bucket): (block_m, block_n, num_warps, num_stages, group_m), the table's
-# current entry first. From vLLM's tuned H200 fp8 block configs at large M (64x128x128, 4 warps, 3-4 stages,
-# GROUP_SIZE_M 16-32: single-accumulator GEMMs) and register/shared-memory checks for sm_90 (ptxas):
-# the fused fp8 gate-up holds two accumulators, so 4 warps spill there and it keeps 8.
+# Large-M candidates (the last bucket): (block_m, block_n, num_warps, num_stages, group_m, tma), the
+# table's entry first. From vLLM's tuned H200 fp8 block configs at large M (64x128x128, 4 warps, 3-4
+# stages, GROUP_SIZE_M 16-32), sm_90 register checks (the fused fp8 gate-up holds two accumulators: 4
+# warps spill there), and scripts/gemm_probe.py on an H200 (TMA loads win for bf16, not for fp8).
 LARGE_M_CANDIDATES = {
-    ("gate_up", True): ((64, 128, 8, 4, 8), (64, 128, 8, 4, 32), (128, 128, 8, 3, 16), (128, 128, 8, 4, 32)),
-    ("down", True): ((128, 128, 8, 3, 8), (64, 128, 4, 4, 32), (128, 128, 8, 4, 16), (64, 256, 8, 4, 16)),
-    ("gate_up", False): ((128, 128, 8, 3, 8), (128, 128, 8, 4, 32), (128, 64, 4, 4, 16), (64, 128, 4, 4, 16)),
-    ("down", False): ((128, 256, 8, 3, 8), (128, 256, 8, 4, 32), (128, 128, 8, 4, 16)),
+    ("gate_up", True): ((128, 128, 8, 3, 16, False), (128, 128, 8, 4, 32, False), (64, 128, 8, 4, 32, False),
+                        (128, 128, 8, 3, 16, True)),
+    ("down", True): ((64, 128, 4, 4, 32, False), (128, 128, 8, 4, 16, False), (128, 128, 8, 3, 8, False),
+                     (128, 128, 8, 4, 16, True)),
+    ("gate_up", False): ((128, 128, 8, 4, 16, True), (128, 128, 8, 3, 8, True), (128, 128, 8, 3, 8, False),
+                         (64, 128, 4, 4, 16, True)),
+    ("down", False): ((128, 256, 8, 3, 16, True), (128, 256, 8, 4, 32, True), (128, 256, 8, 4, 32, False)),
 }
 
 
@@ -229,8 +232,9 @@ def candidates(op: str, fp8: bool, bound: int) -> list[GemmConfig]:
                 for bn, bk, stages, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4))]
     bk = 128 if fp8 else 64
     if bound > TUNE_BUCKETS[-2]:  # the last bucket: compute bound, wide tiles and wide row groups
-        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=warps, num_stages=stages)
-                for bm, bn, warps, stages, gm in LARGE_M_CANDIDATES[(op, fp8)]]
+        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=warps, num_stages=stages,
+                           tma=tma)
+                for bm, bn, warps, stages, gm, tma in LARGE_M_CANDIDATES[(op, fp8)]]
     shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8))  # (block_m, block_n, warps)
     if op == "down":  # one accumulator: room for wider tiles
         shapes += ((64, 256, 8), (128, 256, 8))
