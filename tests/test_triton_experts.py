@@ -221,6 +221,16 @@ def batch_rows_mask(batch):
     return torch.arange(batch.out_shape[0], device=DEVICE) < batch.offsets_L1[-1]
 
 
+def loaded_experts(L, D, F, dtype, quant):
+    """`triton` and `reference` experts of one config, with the same random weights loaded."""
+    cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, dtype=dtype, quant=quant)
+    w13, w2 = weights(L, D, F)
+    pair = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
+    for experts in pair:
+        experts.load(w13, w2)
+    return pair
+
+
 CASES = [  # (dtype, quant, fp8 input from the dispatcher)
     (torch.bfloat16, None, False), (torch.float32, None, False), (torch.float16, None, False),
     (torch.bfloat16, "fp8_block", False), (torch.bfloat16, "fp8_block", True),
@@ -231,12 +241,8 @@ CASES = [  # (dtype, quant, fp8 input from the dispatcher)
 @pytest.mark.parametrize("layout", [Layout.CONTIGUOUS, Layout.BATCHED])
 @pytest.mark.parametrize("counts", [[4, 0, 19], [0, 0, 0], [1, 0, 0]])
 def test_triton_experts_match_reference_experts(dtype, quant, fp8_input, layout, counts):
-    L, D, F = len(counts), 136, 40
-    cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, dtype=dtype, quant=quant)
-    w13, w2 = weights(L, D, F)
-    triton_experts, reference = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
-    triton_experts.load(w13, w2)
-    reference.load(w13, w2)
+    L, D = len(counts), 136
+    triton_experts, reference = loaded_experts(L, D, 40, dtype, quant)
     batch = batch_for(counts, layout, D, dtype, fp8_input=fp8_input)
     y, y_ref = triton_experts(batch), reference(batch)
     assert y.shape == batch.x.shape and y.dtype == dtype
@@ -249,12 +255,8 @@ def test_triton_experts_match_reference_experts(dtype, quant, fp8_input, layout,
 @pytest.mark.parametrize("counts", [[4, 0, 19], [0, 0, 0]])
 def test_triton_experts_read_rows_through_the_row_index(dtype, quant, fp8_input, counts):
     """A batch with row_index_N (as `ht` hands over) gives the rows of its materialized copy."""
-    L, D, F = len(counts), 136, 40
-    cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, dtype=dtype, quant=quant)
-    w13, w2 = weights(L, D, F)
-    triton_experts, reference = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
-    triton_experts.load(w13, w2)
-    reference.load(w13, w2)
+    L, D = len(counts), 136
+    triton_experts, reference = loaded_experts(L, D, 40, dtype, quant)
     batch = batch_for(counts, Layout.CONTIGUOUS, D, dtype, fp8_input=fp8_input, indexed=True)
     assert batch.x.shape[0] < batch.out_shape[0]
     y, y_ref = triton_experts(batch), reference(batch.materialize())
@@ -341,11 +343,7 @@ GPU_SHAPES = [(7168, 2048), (2048, 768)]  # DeepSeek-V3, Qwen3-30B-A3B
 def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
     counts = [0, 1, 7, 64, 300, 129, 2, 1000]
     L = len(counts)
-    cfg = MoEConfig(num_experts=L, top_k=1, hidden_size=D, intermediate_size=F, quant=quant)
-    w13, w2 = weights(L, D, F)
-    triton_experts, reference = TritonExperts(cfg, L, DEVICE), ReferenceExperts(cfg, L, DEVICE)
-    triton_experts.load(w13, w2)
-    reference.load(w13, w2)
+    triton_experts, reference = loaded_experts(L, D, F, torch.bfloat16, quant)
     batch = batch_for(counts, layout, D, torch.bfloat16, pad=5, indexed=indexed)
     mask = batch_rows_mask(batch)
     y, y_ref = triton_experts(batch)[mask].float(), reference(batch)[mask].float()

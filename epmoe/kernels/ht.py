@@ -230,24 +230,33 @@ def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
 
 
 @triton.jit
+def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The (row, slot) pairs of layout program (r, b): received rows s in [b * BLOCK_S, (b + 1) *
+    BLOCK_S) from rank r, slots k < BLOCK_K, flattened as j = (s - b * BLOCK_S) * BLOCK_K + k.
+    Returns (r, parity, j, s, k, pair): pair marks the real ones (s below the count, k < K)."""
+    r = tl.program_id(0)
+    parity = tl.load(seq_ptr) % 2
+    count = tl.load(count_ptr + parity * R + r)
+    j = tl.arange(0, BLOCK_S * BLOCK_K)
+    s = tl.program_id(1) * BLOCK_S + j // BLOCK_K
+    k = j % BLOCK_K
+    return r, parity, j, s, k, (s < count) & (k < K)
+
+
+@triton.jit
 def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr):
     """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
     [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
-    r = tl.program_id(0)
-    b = tl.program_id(1)
-    parity = tl.load(seq_ptr) % 2
-    count = tl.load(count_ptr + parity * R + r)
-    j = tl.arange(0, BLOCK_S * BLOCK_K)
-    s = b * BLOCK_S + j // BLOCK_K
-    k = j % BLOCK_K
+    r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = (parity * R + r) * C + s
-    lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=(s < count) & (k < K), other=-1)
+    lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=pair, other=-1)
     ll = tl.arange(0, BLOCK_L)
     hits = (lid[:, None] == ll[None, :]).to(tl.int32)
-    tl.store(table_ptr + (r * NB + b) * L + ll, tl.sum(hits, axis=0), mask=ll < L)
+    tl.store(table_ptr + (r * NB + tl.program_id(1)) * L + ll, tl.sum(hits, axis=0), mask=ll < L)
 
 
 @triton.jit
@@ -289,14 +298,7 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
     pair's weight w_out[p, k], and rows[pos] = the received row's index in recv_x viewed as
     [2 * R * C, D] (parity * R * C + p)."""
-    r = tl.program_id(0)
-    b = tl.program_id(1)
-    parity = tl.load(seq_ptr) % 2
-    count = tl.load(count_ptr + parity * R + r)
-    j = tl.arange(0, BLOCK_S * BLOCK_K)
-    s = b * BLOCK_S + j // BLOCK_K
-    k = j % BLOCK_K
-    pair = (s < count) & (k < K)
+    r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = r * C + s
     at = (parity * R * C + p).to(tl.int64) * K + k
     lid = tl.load(ids_ptr + at, mask=pair, other=-1)
@@ -304,7 +306,7 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     earlier = (lid[:, None] == lid[None, :]) & (j[None, :] < j[:, None])
     rank_in_block = tl.sum(earlier.to(tl.int32), axis=1)
     valid = lid >= 0
-    start = tl.load(start_ptr + (r * NB + b) * L + lid, mask=valid, other=0)
+    start = tl.load(start_ptr + (r * NB + tl.program_id(1)) * L + lid, mask=valid, other=0)
     pos = start + rank_in_block
     tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
     tl.store(w_out_ptr + p * K + k, w, mask=pair)
