@@ -64,6 +64,16 @@ class ExpertBatch:
     handle: Any
     row_index_N: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        rows = self.row_index_N
+        if rows is None:
+            return
+        if self.layout is not Layout.CONTIGUOUS:
+            raise ValueError("row_index_N is only defined for the contiguous layout")
+        if rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != self.x.device:
+            raise ValueError(f"row_index_N must be int32 [N] on {self.x.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")
+
     @property
     def num_local_experts(self) -> int:
         return self.counts_L.shape[0]
@@ -243,8 +253,6 @@ class Experts(ABC):
         if batch.num_local_experts != self.num_local_experts:
             raise ValueError(
                 f"batch has {batch.num_local_experts} local experts, experts hold {self.num_local_experts}")
-        if batch.row_index_N is not None and batch.layout is not Layout.CONTIGUOUS:
-            raise ValueError("row_index_N is only defined for the contiguous layout")
         return self._forward(batch if self.reads_row_index else batch.materialize())
 
     @abstractmethod

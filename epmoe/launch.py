@@ -59,19 +59,19 @@ def init_rank(rank: int, world_size: int, device_type: str, init_method: str,
     return RankContext(rank, world_size, device, dist.group.WORLD)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(launcher_pid: int) -> None:
     """On Linux, have the kernel kill this rank when the launching process dies (say, killed by a time
     limit before its own clean-up ran), so that no rank is left running, or spinning on a GPU."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the launcher is already gone
+        if os.getppid() != launcher_pid:  # the launcher died before the signal was armed
             os._exit(1)
 
 
 def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
-            queue, timeout_s: float | None) -> None:
-    _die_with_parent()
+            queue, timeout_s: float | None, launcher_pid: int) -> None:
+    _die_with_parent(launcher_pid)
     ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)
@@ -97,7 +97,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple 
         raise ValueError(f"{nprocs} ranks need {nprocs} GPUs, found {torch.cuda.device_count()}")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue, timeout_s),
+    procs = mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue, timeout_s, os.getpid()),
                                nprocs=nprocs, join=False, start_method="spawn")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results: dict[int, Any] = {}

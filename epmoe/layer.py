@@ -65,6 +65,10 @@ class FusedMoE(torch.nn.Module):
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.dispatcher = make_dispatcher(dispatcher, cfg, group)
+        buffers = getattr(self.dispatcher, "device", None)  # dispatchers with their own buffers (ht, ll)
+        if buffers is not None and torch.device(buffers) != self.device:
+            raise ValueError(f"dispatcher {self.dispatcher.name!r} keeps its buffers on {buffers}, the layer is on "
+                             f"{self.device}: make the layer's device the current one (torch.cuda.set_device)")
         self.experts = make_experts(experts, cfg, self.num_local_experts, self.device,
                                     self.dispatcher.layout, self.world_size)
         check_pairing(self.dispatcher, self.experts)

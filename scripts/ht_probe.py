@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from epmoe.bench.dispatch import _ENV, _inputs, _time
+from epmoe.bench.dispatch import NVLINK_ENV, random_inputs, time_dispatcher
 from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
@@ -28,16 +28,19 @@ def _rank(ctx, args):
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
-    inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
+    inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
     out = []
     for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
-        d = HtDispatcher(cfg, ctx.group)
+        default = HtDispatcher(cfg, ctx.group).launch
+        kept = []  # every workspace stays allocated to the end: no symmetric-memory frees between settings
         for dp, dw, cp, cw in args.settings:
-            d.launch = dataclasses.replace(d.launch, programs=dp * sms, num_warps=dw,
-                                           combine_programs=cp * sms, combine_warps=cw)
-            t = _time(d, inputs, warmup=3, iters=args.iters)
+            # a fresh dispatcher per setting: the flags count one signal per program of its launch
+            d = HtDispatcher(cfg, ctx.group, launch=dataclasses.replace(
+                default, programs=dp * sms, num_warps=dw, combine_programs=cp * sms, combine_warps=cw))
+            kept.append(d)
+            t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
             out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw), **t))
             print(f"rank {ctx.rank} {quant or 'bf16':>9} dispatch {dp}/SM x {dw} warps, combine {cp}/SM x {cw} "
                   f"warps: xfer {t['transfer']:.0f} us, dispatch {t['dispatch']:.0f} us, "
@@ -57,7 +60,8 @@ def main() -> None:
     args = p.parse_args()
     args.settings = [tuple(int(v) for v in item.split(",")) for item in args.settings.split(";")]
     args.quants = [q for q, skip in ((None, args.fp8_only), ("fp8_block", args.bf16_only)) if not skip]
-    os.environ.update(_ENV)
+    for key, value in NVLINK_ENV.items():
+        os.environ.setdefault(key, value)
     per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=args.timeout)
     print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps':>18}   xfer us   disp us   comb us  (rank 0 / 1)")
     for a, b in zip(*per_rank):

@@ -25,7 +25,7 @@ def check(tag, kernel, failures, vector):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=SMS, combine_warps=8, copy_programs=4 * SMS)
+    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=SMS, combine_warps=8, reduce_programs=4 * SMS)
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
@@ -48,7 +48,7 @@ def main() -> None:
         check(f"combine_reduce D{D}", compile_hopper(
             k._combine_reduce_kernel,
             dict(out_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", comb_ptr="*bf16", T="i32", C="i32"),
-            dict(R=2, D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=launch.copy_programs),
+            dict(R=2, D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=launch.reduce_programs),
             ["out_ptr", "slot_ptr", "comb_ptr"], warps, 1), failures, big)
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)

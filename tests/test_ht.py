@@ -231,6 +231,89 @@ def test_several_layout_blocks_and_spare_capacity(sync_free):
                                             for r, T in enumerate(Ts)])
 
 
+def test_repeated_expert_ids():
+    """A token may name one expert in several slots (check_tokens allows it): each slot is a batch row of
+    its own, in both modes; here the batch holds more rows than R * C * min(K, L)."""
+    cfg = _cfg(E=4, K=4, D=16, C=2)
+    for options in ({}, {"sync_free": True}):
+        dispatchers = make_world(cfg, 2, **options)
+        inputs = []
+        for r in range(2):
+            x, _, w = exact_inputs(cfg, r, 2, "random", seed=5, device=_EMU_DEVICE)
+            inputs.append((x, torch.tensor([[0, 0, 0, 0], [1, 1, 3, -1]], device=_EMU_DEVICE), w))
+        check_round_trip(cfg, dispatchers, inputs)
+
+
+def test_two_dispatches_in_flight():
+    """Batch n's rows, read through its row index, survive dispatch n+1 (the other parity of the receive
+    buffer); both batches then combine in order."""
+    cfg = _cfg(E=4, K=2, D=32, C=4)
+    dispatchers = make_world(cfg, 2)
+    inputs = [[exact_inputs(cfg, r, 3 + r, "random", seed=50 + call, device=_EMU_DEVICE) for r in range(2)]
+              for call in range(2)]
+    batches = [emulate_dispatch(dispatchers, call_inputs) for call_inputs in inputs]
+    for call_inputs, call_batches in zip(inputs, batches):
+        for d, b in enumerate(call_batches):
+            rows, _ = expected_batch_rows(cfg, 2, d, call_inputs)
+            assert torch.equal(b.materialize().x[:len(rows)].cpu(), torch.stack(rows))
+    for call_inputs, call_batches in zip(inputs, batches):
+        outs = emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(call_batches)],
+                               call_batches)
+        for r, (x, ids, w) in enumerate(call_inputs):
+            torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_block"])
+def test_triton_experts_read_the_receive_buffer(quant):
+    """The `triton` experts on ht's batch (the gate-up kernel reads the receive buffer through the row
+    index, scales too for fp8) match the reference experts (given the materialized batch by
+    Experts.__call__); two calls, so both parities of the buffer are read."""
+    from epmoe.experts.reference import ReferenceExperts
+    from epmoe.experts.triton import TritonExperts
+    from epmoe.testing import TOLERANCES, rel_error
+    R, L, D, F = 2, 2, 128, 16
+    cfg = _cfg(E=R * L, K=2, D=D, C=6, quant=quant)
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(R * L, 2 * F, D, generator=g) / D ** 0.5
+    w2 = torch.randn(R * L, D, F, generator=g) / F ** 0.5
+    experts = []
+    for r in range(R):
+        pair = TritonExperts(cfg, L, _EMU_DEVICE), ReferenceExperts(cfg, L, _EMU_DEVICE)
+        for e in pair:
+            e.load(w13[r * L:(r + 1) * L], w2[r * L:(r + 1) * L])
+        experts.append(pair)
+    dispatchers = make_world(cfg, R)
+    for call in range(2):
+        inputs = [exact_inputs(cfg, r, 5 - r, "holes", seed=40 + call, device=_EMU_DEVICE) for r in range(R)]
+        batches = emulate_dispatch(dispatchers, inputs)
+        ys = []
+        for (triton_experts, reference), b in zip(experts, batches):
+            assert b.row_index_N is not None
+            y, y_ref = triton_experts(b), reference(b)
+            n = int(b.offsets_L1[-1])
+            assert y.shape == y_ref.shape == b.out_shape
+            assert rel_error(y[:n], y_ref[:n]) <= TOLERANCES["fp8_block" if quant else "bf16"]
+            ys.append(y)
+        emulate_combine(dispatchers, ys, batches)
+
+
+def test_layout_scan_matches_torch():
+    """The one-program scan over per-block counts, with several tiles of blocks (L 256: 32 blocks a tile)."""
+    from epmoe.kernels.ht import layout_scan
+    B, L, R = 100, 256, 3
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
+    recv_count = torch.randint(0, 50, (2, R), generator=g, dtype=torch.int32)
+    seq = torch.tensor([7], dtype=torch.int32)
+    counts, offsets, start, recv = (t.cpu() for t in layout_scan(table.to(_EMU_DEVICE), recv_count.to(_EMU_DEVICE),
+                                                                  seq.to(_EMU_DEVICE)))
+    want_counts = table.sum(0, dtype=torch.int32)
+    want_offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(want_counts, 0, dtype=torch.int32)])
+    assert torch.equal(counts, want_counts) and torch.equal(offsets, want_offsets)
+    assert torch.equal(start, torch.cumsum(table, 0, dtype=torch.int32) - table + want_offsets[:L])
+    assert torch.equal(recv, recv_count[1])  # parity 7 % 2
+
+
 @pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64),
                                             (4500, 2, torch.int32)])
 def test_number_pairs_matches_torch(T, R, ids_dtype):

@@ -57,7 +57,10 @@ def record_pid_and_sleep(ctx, folder):
     # Like a rank blocked in a CUDA call: Python never gets to handle SIGINT (torch's own
     # parent-death signal), so only a signal that cannot be caught ends it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    open(os.path.join(folder, str(ctx.rank)), "w").write(str(os.getpid()))
+    path = os.path.join(folder, str(ctx.rank))
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)  # the test never sees a half-written file
     time.sleep(120)
 
 if __name__ == "__main__":

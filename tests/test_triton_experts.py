@@ -132,11 +132,21 @@ def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F, x_fp8
 
 @pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 0]])
 @pytest.mark.parametrize("layout", ["contiguous", "batched", "indexed"])  # indexed: A by pointers, B by TMA
-@pytest.mark.parametrize("fp8", [False, True])
-def test_tma_loads_match_reference(counts, layout, fp8):
+@pytest.mark.parametrize("fp8,F", [(False, 48), (True, 128), (True, 80)])
+def test_tma_loads_match_reference(counts, layout, fp8, F, monkeypatch):
     """Tiles loaded through TMA descriptors (GemmConfig.tma) give the pointer loads' results, with a
-    partial last K tile (bf16: K = 80 with 32-column tiles)."""
-    L, D, F = len(counts), (144 if fp8 else 80), (128 if fp8 else 48)
+    partial last K tile (bf16: K = 80 with 32-column tiles) and a partial last column tile (F 80: the
+    fp8 gate-up then keeps pointer loads for B, whose rows past F would enter h's scale)."""
+    from epmoe.kernels import grouped_gemm
+    built = []  # (block shape) of each descriptor the launcher made
+
+    def spy(t, block):
+        desc = _descriptor(t, block)
+        if desc is not None:
+            built.append(tuple(block))
+        return desc
+    monkeypatch.setattr(grouped_gemm, "_descriptor", spy)
+    L, D = len(counts), (144 if fp8 else 80)
     rows, R = make_rows(counts, layout == "batched")
     w13, w2 = weights(L, D, F)
     x = torch.randn(R, D, device=DEVICE).bfloat16()
@@ -164,6 +174,27 @@ def test_tma_loads_match_reference(counts, layout, fp8):
         y = down(h, w2, rows, config=cfg)
         y_ref = down_ref(h, w2, rows)
     torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
+    if sum(counts):  # TMA really loaded: B of both GEMMs (of the down GEMM only for fp8 with F 80), A of
+        # the down GEMM and of the gate-up unless its rows come through the index
+        assert built.count((cfg.block_n, cfg.block_k)) == (1 if fp8 and F % cfg.block_n else 2)
+        assert built.count((cfg.block_m, cfg.block_k)) == (1 if layout == "indexed" else 2)
+
+
+def test_row_index_is_validated():
+    x = torch.randn(4, 8, device=DEVICE)
+    counts = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    offsets = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    for rows in (torch.tensor([0, 1]), torch.tensor([[0, 1]], dtype=torch.int32)):  # int64; 2-D
+        with pytest.raises(ValueError, match="row_index_N must be int32"):
+            ExpertBatch(layout=Layout.CONTIGUOUS, x=x, x_scale=None, counts_L=counts, offsets_L1=offsets,
+                        handle=None, row_index_N=rows.to(DEVICE))
+    with pytest.raises(ValueError, match="contiguous layout"):
+        ExpertBatch(layout=Layout.BATCHED, x=x.view(1, 4, 8), x_scale=None, counts_L=counts, offsets_L1=None,
+                    handle=None, row_index_N=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE))
+    rows, _ = make_rows([2, 3], batched=False)
+    w13, _ = weights(2, 8, 4)
+    with pytest.raises(ValueError, match="x_rows_R must be int32"):
+        gate_up(x, w13, rows, x_rows_R=torch.zeros(5, dtype=torch.int64, device=DEVICE))
 
 
 def test_kernels_refuse_bad_operands():

@@ -36,7 +36,8 @@ from ..launch import RankContext, spawn
 from ..quant import num_groups
 
 NVLINK_GBPS = 478.0
-_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# NVLink multicast off: the benchmark machines do not support it (../shared/GPU.md)
+NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -54,7 +55,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _inputs(T: int, D: int, E: int, K: int, device, seed: int):
+def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
+    """x_TD bf16, ids_TK (distinct top-k of uniform random scores), weights_TK (softmax), from `seed`."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(T, D, device=device, generator=g).to(torch.bfloat16)
     ids = torch.rand(T, E, device=device, generator=g).topk(K, dim=1).indices
@@ -68,7 +70,7 @@ def _inputs(T: int, D: int, E: int, K: int, device, seed: int):
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 
 
-def _time(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
+def time_dispatcher(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (send kernel + wait for all ranks' rows)."""
     ht = hasattr(dispatcher, "_dispatch_wait")
@@ -120,7 +122,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group),
                "fp8": HtDispatcher(MoEConfig(**common, max_tokens_per_rank=T, quant="fp8_block"), ctx.group)}
         kept.append(hts)
-        inputs = [_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
+        inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
         # pairs this rank sends to other ranks, and rows it receives (from others / in all), set 0
         ids = inputs[0][1]
         dest_TK = ids // L
@@ -130,10 +132,10 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
         sent_other = int(sent_R.sum() - sent_R[ctx.rank])
         recv_all, recv_other = int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
-        a2a_t = _time(a2a, inputs, args.warmup, args.iters)
+        a2a_t = time_dispatcher(a2a, inputs, args.warmup, args.iters)
         a2a_d, a2a_c = a2a_t["dispatch"], a2a_t["combine"]
         for prec, ht in hts.items():
-            t = _time(ht, inputs, args.warmup, args.iters)
+            t = time_dispatcher(ht, inputs, args.warmup, args.iters)
             d_us, c_us = t["dispatch"], t["combine"]
             row_b = D * 2 if prec == "bf16" else D + 4 * G
             rows.append(dict(
@@ -171,7 +173,7 @@ def main(argv: list[str]) -> None:
     args = _parse(argv)
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"bench dispatch needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    for key, value in _ENV.items():  # NVLink multicast stays off on the benchmark machine
+    for key, value in NVLINK_ENV.items():  # NVLink multicast stays off on the benchmark machine
         os.environ.setdefault(key, value)
     per_rank = spawn(_rank_main, args.ranks, "cuda", (args,))
     rows = sorted((r for rank_rows in per_rank for r in rank_rows), key=lambda r: (r["tokens"], r["precision"], r["rank"]))

@@ -6,7 +6,8 @@ cfg.quant == "fp8_block") straight into that rank's receive region, with the tok
 ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
 on the device and sorts the received (row, local expert) pairs by expert, with work proportional to
 the pairs received (not to the capacity C): the batch is a row index into the receive buffer
-(ExpertBatch.row_index_N), so no row is copied again; the experts read rows through the index.
+(ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows through the
+index (experts that do not get a materialized copy, see Experts.reads_row_index).
 Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
 (token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
 
@@ -18,8 +19,10 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
 Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
 n+2 comes after its combine n, which waited for every peer's combine send n, which each peer issued
 after running its experts on call n (the last reads of the region of call n, through the row index).
-So a region is never overwritten while a rank still reads it. Calls must alternate send/receive per
-phase on every rank, and the batch's rows are valid until its combine.
+So a region is never overwritten while a rank still reads it. This needs the experts to run on the
+stream that later issues the combine (so that the combine send follows their reads), and it is not
+enforced: a third dispatch before the first one's combine overwrites rows that may still be read. Calls
+must alternate send/receive per phase on every rank, and the batch's rows are valid until its combine.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks, C capacity
 (cfg.max_tokens_per_rank), P = R*C receive rows, N rows of the expert batch, G = ceil(D / 128).
@@ -76,6 +79,8 @@ class HtDispatcher(Dispatcher):
             dispatch/combine): the batch has R*C*min(K, L) rows, valid ones end at offsets_L1[L].
         device: where buffers live; default the current CUDA device for a process group, the CPU for
             an EmulatedGroup.
+        launch: the kernels' launch settings (epmoe.kernels.ht.HtLaunch), the same on every rank;
+            default `ht_launch` for the row size and device. Fixed for the dispatcher's lifetime.
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
@@ -83,8 +88,9 @@ class HtDispatcher(Dispatcher):
     Phases (public so that emulated ranks can run them in turn, and for overlap):
         dispatch_send -> dispatch_recv -> (experts) -> combine_send -> combine_recv.
     T may differ per rank and be 0; T <= cfg.max_tokens_per_rank. The batch's x views the receive
-    buffer through its row_index_N: its rows are valid until the batch is combined, and at most two
-    dispatches may be in flight (not yet combined) per dispatcher.
+    buffer through its row_index_N: its rows are valid until the batch is combined, the experts must
+    run on the stream that then calls combine, and at most two dispatches may be in flight (not yet
+    combined) per dispatcher (not checked: a third overwrites the first one's rows).
     """
 
     name = "ht"
@@ -105,7 +111,7 @@ class HtDispatcher(Dispatcher):
         return True, "ok"
 
     def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool = False,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, launch: kernels.HtLaunch | None = None) -> None:
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'ht': {reason}")
@@ -118,7 +124,8 @@ class HtDispatcher(Dispatcher):
         self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
         self.fp8 = cfg.quant == "fp8_block"
         self.capacity = cfg.max_tokens_per_rank
-        self.launch = kernels.ht_launch(cfg.row_bytes, self.device)
+        # Fixed for the dispatcher's lifetime: the flags count one signal per sending program and call.
+        self.launch = kernels.ht_launch(cfg.row_bytes, self.device) if launch is None else launch
         self.blocks = kernels.layout_blocks(self.capacity, cfg.top_k)
         specs = self._specs()
         if isinstance(group, EmulatedGroup):
@@ -146,8 +153,9 @@ class HtDispatcher(Dispatcher):
 
     @property
     def max_recv_rows(self) -> int:
-        """Rows of the batch in sync_free mode: every received (row, local expert) pair could be valid."""
-        return self.world_size * self.capacity * min(self.cfg.top_k, self.num_local_experts)
+        """Rows of the batch in sync_free mode, and of its row index buffer: every received (row, slot)
+        pair could be valid (R * C * K; a token may repeat an expert id)."""
+        return self.world_size * self.capacity * self.cfg.top_k
 
     # -- public API -------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Grouped expert GEMMs in Triton: gate-up with SiLU-and-mul fused, and down; bf16/fp16/fp32 or fp8 block.
 
 Shape letters: L local experts, R rows of the batch (contiguous N, or L*M for batched [L, M, ...]),
+S source rows a gate-up reads through a row index (x_rows_R),
 D hidden size, F intermediate size, N output columns of one GEMM, K its reduction size,
 G = ceil(K / 128) activation scale groups, M rows per expert slot (batched layout).
 
@@ -233,7 +234,8 @@ def _grouped_gemm_kernel(
         c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
         c_mask = m_mask[:, None] & n_mask[None, :]
         if QUANT_OUT:
-            # Columns past N repeat column N-1 (clamped loads), so the group's amax is that of its real columns.
+            # Columns past N repeat column N-1 (clamped pointer loads; the launcher keeps TMA off B here),
+            # so the group's amax is that of its real columns.
             scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
             q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
             tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
@@ -319,7 +321,10 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     fp8 = w.dtype == FP8_DTYPE
     dummy = out  # placeholder pointer for arguments a variant does not read
     a_desc = _descriptor(a, [cfg.block_m, cfg.block_k]) if cfg.tma and a_rows is None else None
-    b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if cfg.tma else None
+    # The fused h quantization takes each row's amax over the whole column tile: pointer loads repeat
+    # column N-1 past N, TMA would bring the next rows of B, so a partial last tile keeps pointer loads.
+    tma_b = cfg.tma and (out_scale is None or N % cfg.block_n == 0)
+    b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if tma_b else None
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
         a, a_desc, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
@@ -354,7 +359,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
             block_k 128), else by `quantize_act` first.
         rows: the rows of each expert; rows outside every expert are not computed.
         x_rows_R: contiguous layout only, optional int32 [R] with values in [0, S): row i of the batch is
-            x_RD[x_rows_R[i]], read through the index inside the kernel (no permuted copy).
+            x_RD[x_rows_R[i]], read through the index inside the kernel (no permuted copy). With fp8
+            weights and unquantized x, all S source rows are quantized first.
         rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`).
         config: launch configuration (default: `gemm_config` for these shapes).
 

@@ -28,15 +28,15 @@ from ..config import FP8_BLOCK
 @dataclass(frozen=True)
 class HtLaunch:
     """Launch config of the ht kernels: `programs` persistent programs of the dispatch send kernel and
-    `combine_programs` of the combine send kernel (the same on every rank: flags count one signal per
-    program), with `num_warps` / `combine_warps` each; `rows(D)` rows per program step in the send and
-    combine kernels."""
+    `combine_programs` of the combine send kernel (the same on every rank, and fixed for a workspace's
+    lifetime: flags count one signal per program and call), with `num_warps` / `combine_warps` each;
+    `rows(D)` rows per program step in the send and combine kernels."""
 
     programs: int
     num_warps: int
     combine_programs: int
     combine_warps: int
-    copy_programs: int  # programs of the final combine sum (no spinning)
+    reduce_programs: int  # programs of the final combine sum (no spinning)
 
     @staticmethod
     def rows(hidden: int) -> int:
@@ -49,10 +49,10 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four programs of
     the final combine sum per SM; a few programs under the CPU interpreter."""
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, copy_programs=2)
+        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, reduce_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=sms, num_warps=warps, combine_programs=sms, combine_warps=warps, copy_programs=4 * sms)
+    return HtLaunch(programs=sms, num_warps=warps, combine_programs=sms, combine_warps=warps, reduce_programs=4 * sms)
 
 
 @dataclass(frozen=True)
@@ -380,7 +380,7 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
     out_TD = torch.empty(T, D, dtype=comb_2RCD.dtype, device=comb_2RCD.device)
     if T:
         rows = launch.rows(D)
-        programs = max(1, min(-(-T // rows), launch.copy_programs))
+        programs = max(1, min(-(-T // rows), launch.reduce_programs))
         _combine_reduce_kernel[(programs,)](
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
             ROWS=rows, PROGRAMS=programs, num_warps=launch.num_warps)
