@@ -134,6 +134,9 @@ class HtDispatcher(Dispatcher):
             self.ws: Workspace = group.workspace(("ht", cfg, str(self.device)), specs, self.device)
         else:
             self.ws = torch_workspace(specs, group, self.device)
+        # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
+        self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
+        self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
 
     def _specs(self) -> list[BufferSpec]:
         R, C, D, K = self.world_size, self.capacity, self.cfg.hidden_size, self.cfg.top_k
@@ -247,11 +250,9 @@ class HtDispatcher(Dispatcher):
                                                           self.blocks, self.max_recv_rows)
         # everything above is queued before the host waits for n
         n = self.max_recv_rows if self.sync_free else int(offsets_L1[L])  # host sync unless sync_free
-        D = self.cfg.hidden_size
-        x_scale = self.ws.local("recv_scale").view(-1, num_groups(D)) if self.fp8 else None
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
                           recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
-        return ExpertBatch(layout=Layout.CONTIGUOUS, x=self.ws.local("recv_x").view(-1, D), x_scale=x_scale,
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=counts_L, offsets_L1=offsets_L1, handle=handle, row_index_N=rows_N[:n])
 
     def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
