@@ -76,7 +76,7 @@ class HtDispatcher(Dispatcher):
     Options:
         sync_free: False (default): one host sync per dispatch, to size the batch to its valid rows.
             True: no host sync anywhere (CUDA-graph capturable when driven through the phase methods or
-            dispatch/combine): the batch has R*C*min(K, L) rows, valid ones end at offsets_L1[L].
+            dispatch/combine): the batch has R*C*K rows (max_recv_rows), valid ones end at offsets_L1[L].
         device: where buffers live; default the current CUDA device for a process group, the CPU for
             an EmulatedGroup.
         launch: the kernels' launch settings (epmoe.kernels.ht.HtLaunch), the same on every rank;
