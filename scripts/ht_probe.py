@@ -1,10 +1,12 @@
 """Probe of the `ht` launch settings on 2 GPUs: programs and warps of the dispatch send and the combine
 send kernels, at one size (default T 4096, D 7168, K 8, E 256), bf16 and fp8 dispatch.
 
-    python3 scripts/ht_probe.py [--tokens 4096] [--iters 20]
+    python3 scripts/ht_probe.py [--tokens 4096] [--iters 20] [--profile OUT_DIR]
 
 Prints, per setting, the median transfer / dispatch / combine time of each rank (epmoe.bench.dispatch
-timing). The winner goes into epmoe/kernels/ht.py `ht_launch`.
+timing). The winner goes into epmoe/kernels/ht.py `ht_launch`. With --profile, instead runs the default
+setting under torch.profiler and writes rank 0's kernel table and chrome trace per precision to OUT_DIR
+(where the time of a dispatch goes: kernels, host launches, host syncs).
 """
 from __future__ import annotations
 
@@ -48,6 +50,32 @@ def _rank(ctx, args):
     return out
 
 
+def _profile(ctx, args):
+    from torch.profiler import ProfilerActivity, profile
+
+    from epmoe.dispatch.ht import HtDispatcher
+
+    T, D, K, E = args.tokens, 7168, 8, 256
+    inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
+    kept = []
+    for quant in args.quants:
+        cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
+                        quant=quant)
+        d = HtDispatcher(cfg, ctx.group)
+        kept.append(d)
+        time_dispatcher(d, inputs, warmup=3, iters=5)  # compile and warm up outside the profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time_dispatcher(d, inputs, warmup=0, iters=args.iters)
+        name = quant or "bf16"
+        if ctx.rank == 0:
+            out = os.path.join(args.profile, f"ht_profile_{name}")
+            prof.export_chrome_trace(out + ".trace.json")
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+            with open(out + ".txt", "w") as f:
+                f.write(table)
+            print(f"{name}: {t}\n{table}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -57,11 +85,16 @@ def main() -> None:
                    help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps'")
     p.add_argument("--fp8-only", action="store_true")
     p.add_argument("--bf16-only", action="store_true")
+    p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
     args = p.parse_args()
     args.settings = [tuple(int(v) for v in item.split(",")) for item in args.settings.split(";")]
     args.quants = [q for q, skip in ((None, args.fp8_only), ("fp8_block", args.bf16_only)) if not skip]
     for key, value in NVLINK_ENV.items():
         os.environ.setdefault(key, value)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        spawn(_profile, 2, "cuda", (args,), timeout_s=args.timeout)
+        return
     per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=args.timeout)
     print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps':>18}   xfer us   disp us   comb us  (rank 0 / 1)")
     for a, b in zip(*per_rank):

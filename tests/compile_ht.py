@@ -39,11 +39,12 @@ def main() -> None:
                 dict(R=2, D=D, K=K, L=L, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G),
                      BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "ids_ptr", "w_ptr", "slot_ptr"], warps, 1), failures, big)
+        chunk, rows = k.combine_tiles(D)
         check(f"combine_send D{D} K{K}", compile_hopper(
             k._combine_send_kernel,
             dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", comb_peers="*i64",
                  flag_peers="*i64", rank="i32", C="i32"),
-            dict(R=2, D=D, K=K, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
+            dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, PROGRAMS=SMS),
             ["y_ptr", "pos_ptr", "w_ptr"], warps, 1), failures, big)
         check(f"combine_reduce D{D}", compile_hopper(
             k._combine_reduce_kernel,
@@ -53,15 +54,16 @@ def main() -> None:
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
-            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32", C="i32",
-                                         NB="i32"),
+            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
+                                         totals_ptr="*i32", C="i32", NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L)), ["ids_ptr", "table_ptr"], 4, 1), failures, False)
         BL = triton.next_power_of_2(L)
         check(f"layout_scan L{L}", compile_hopper(
             k._layout_scan_kernel,
-            dict(table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i32",
+            dict(table_ptr="*i32", totals_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", offsets_ptr="*i32",
                  start_ptr="*i32", recv_counts_ptr="*i32", B="i32"),
-            dict(R=2, L=L, BLOCK_B=max(1, 8192 // BL), BLOCK_L=BL, BLOCK_R=2), ["table_ptr", "start_ptr"], 8, 1),
+            dict(R=2, L=L, BLOCK_B=k.SCAN_BLOCKS, BLOCK_E=k.SCAN_EXPERTS, BLOCK_L=BL, BLOCK_R=2),
+            ["table_ptr", "start_ptr"], 4, 1),
             failures, False)
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,
@@ -70,7 +72,8 @@ def main() -> None:
             common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
         check(f"number_pairs K{K}", compile_hopper(
             k._number_pairs_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", T="i32"),
-            dict(R=2, K=K, L=L, BLOCK_T=2048, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 8, 1), failures, False)
+            dict(R=2, K=K, L=L, BLOCK_T=8192 // triton.next_power_of_2(K), BLOCK_K=triton.next_power_of_2(K),
+                 BLOCK_R=2), ["ids_ptr", "slot_ptr"], 8, 1), failures, False)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
     if failures:
         print("\n".join(failures))

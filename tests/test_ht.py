@@ -197,6 +197,17 @@ def test_round_trip_exact(R, E, K, D, Ts, routing):
                                         for r, T in enumerate(Ts)])
 
 
+def test_combine_in_column_chunks(monkeypatch):
+    """The combine send gathers a row in column chunks: three of 32 columns for D 72 (the last one
+    partial), two rows a step."""
+    from epmoe.kernels import ht
+    monkeypatch.setattr(ht, "COMBINE_CHUNK", 32)
+    monkeypatch.setattr(ht, "COMBINE_STEP", 64)
+    cfg = _cfg(E=8, K=4, D=72)
+    check_round_trip(cfg, make_world(cfg, 2), [exact_inputs(cfg, r, T, "random", seed=4, device=_EMU_DEVICE)
+                                               for r, T in enumerate([5, 3])])
+
+
 @pytest.mark.parametrize("R,D,routing", [(2, 208, "holes"), (3, 128, "random")])
 def test_fp8_dispatch_matches_torch_quant(R, D, routing):
     cfg = _cfg(E=6, K=2, D=D, quant="fp8_block")
@@ -297,19 +308,21 @@ def test_triton_experts_read_the_receive_buffer(quant):
         emulate_combine(dispatchers, ys, batches)
 
 
-def test_layout_scan_matches_torch():
-    """The one-program scan over per-block counts, with several tiles of blocks (L 256: 32 blocks a tile)."""
-    from epmoe.kernels.ht import layout_scan
-    B, L, R = 100, 256, 3
+def test_layout_scan_matches_torch(monkeypatch):
+    """The scan over per-block counts, with several steps of blocks per program and a last program of
+    fewer experts (L 250, 8 experts and 32 blocks a step)."""
+    from epmoe.kernels import ht
+    monkeypatch.setattr(ht, "SCAN_BLOCKS", 32)
+    B, L, R = 100, 250, 3
     g = torch.Generator().manual_seed(0)
     table = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
+    want_counts = table.sum(0, dtype=torch.int32)
     recv_count = torch.randint(0, 50, (2, R), generator=g, dtype=torch.int32)
     seq = torch.tensor([7], dtype=torch.int32)
-    counts, offsets, start, recv = (t.cpu() for t in layout_scan(table.to(_EMU_DEVICE), recv_count.to(_EMU_DEVICE),
-                                                                  seq.to(_EMU_DEVICE)))
-    want_counts = table.sum(0, dtype=torch.int32)
+    offsets, start, recv = (t.cpu() for t in ht.layout_scan(table.to(_EMU_DEVICE), want_counts.to(_EMU_DEVICE),
+                                                             recv_count.to(_EMU_DEVICE), seq.to(_EMU_DEVICE)))
     want_offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(want_counts, 0, dtype=torch.int32)])
-    assert torch.equal(counts, want_counts) and torch.equal(offsets, want_offsets)
+    assert torch.equal(offsets, want_offsets)
     assert torch.equal(start, torch.cumsum(table, 0, dtype=torch.int32) - table + want_offsets[:L])
     assert torch.equal(recv, recv_count[1])  # parity 7 % 2
 
@@ -317,7 +330,7 @@ def test_layout_scan_matches_torch():
 @pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64),
                                             (4500, 2, torch.int32)])
 def test_number_pairs_matches_torch(T, R, ids_dtype):
-    """The sender's slots (several blocks of 4096 // R tokens, ids -1 and out of range) against a torch
+    """The sender's slots (several blocks of 8192 // 4 tokens, ids -1 and out of range) against a torch
     prefix sum."""
     from epmoe.kernels.ht import number_pairs
     L, K = 4, 3

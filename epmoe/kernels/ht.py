@@ -55,6 +55,17 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     return HtLaunch(programs=sms, num_warps=warps, combine_programs=sms, combine_warps=warps, reduce_programs=4 * sms)
 
 
+# combine send: columns per gathered load, and elements (rows x columns) per program step
+COMBINE_CHUNK = 1024
+COMBINE_STEP = 4096
+
+
+def combine_tiles(hidden: int) -> tuple[int, int]:
+    """(columns per gathered load, rows per step) of the combine send kernel for rows of `hidden`."""
+    chunk = min(triton.next_power_of_2(hidden), COMBINE_CHUNK)
+    return chunk, max(1, COMBINE_STEP // chunk)
+
+
 @dataclass(frozen=True)
 class LayoutBlocks:
     """Blocking of the layout kernels: a program takes block_s received rows x block_k slots (pairs)."""
@@ -88,20 +99,23 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 @triton.jit
 def _number_pairs_kernel(ids_ptr, slot_ptr, count_ptr, seq_ptr, T,
                          R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: slot[t, r] = number of earlier tokens sent to rank r if token t has an expert on r,
-    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1."""
+    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1. Reads ids in
+    [BLOCK_T, BLOCK_K] tiles (contiguous)."""
     rr = tl.arange(0, BLOCK_R)
+    kk = tl.arange(0, BLOCK_K)
     running = tl.zeros([BLOCK_R], dtype=tl.int32)
     for first in range(0, T, BLOCK_T):
         t = first + tl.arange(0, BLOCK_T)
         tmask = t < T
         t64 = t.to(tl.int64)
+        e = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :], other=-1)
+        dest = tl.where((e >= 0) & (e < R * L), e // L, -1).to(tl.int32)
         wants = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
-        for k in tl.static_range(K):
-            e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
-            dest = tl.where(e >= 0, e // L, -1)
-            wants = tl.maximum(wants, (dest[:, None] == rr[None, :]).to(tl.int32))
+        for r in tl.static_range(R):
+            hit = tl.max((dest == r).to(tl.int32), axis=1)
+            wants = tl.where(rr[None, :] == r, hit[:, None], wants)
         slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + running[None, :], -1)
         tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & (rr < R)[None, :])
         running += tl.sum(wants, axis=0)
@@ -176,32 +190,40 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
 
 @triton.jit
 def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
-                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
-                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNK: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
-    (pos -1: none), stored as one row into rank r's combine region at (this rank, s); ROWS rows per
-    program step; then one signal per peer."""
+    (pos -1: none, k ascending), stored as one row into rank r's combine region at (this rank, s);
+    ROWS rows per program step, CHUNK columns at a time with the K gathered loads of a chunk
+    independent of each other (all in flight at once); then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
+    cols = tl.arange(0, CHUNK)
+    kk = tl.arange(0, BLOCK_K)
     for r in tl.static_range(R):
         count = tl.load(count_ptr + r)
+        dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C).to(tl.int64) * D
         for first in range(pid * ROWS, count, PROGRAMS * ROWS):
             s = first + tl.arange(0, ROWS)
             smask = s < count
             p = r * C + s
-            acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-            for k in tl.static_range(K):
-                pos = tl.load(pos_ptr + p * K + k, mask=smask, other=-1)
-                w = tl.load(w_ptr + p * K + k, mask=smask, other=0.0)
-                y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + cols[None, :],
-                            mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
-                acc += w[:, None] * y.to(tl.float32)
-            row_at = ((parity * R + rank) * C + s).to(tl.int64)
-            dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + row_at[:, None] * D + cols[None, :]
-            tl.store(tl.multiple_of(dst, [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                     mask=smask[:, None] & cmask[None, :])
+            pair = smask[:, None] & (kk < K)[None, :]
+            pos_RK = tl.load(pos_ptr + p[:, None] * K + kk[None, :], mask=pair, other=-1)
+            w_RK = tl.load(w_ptr + p[:, None] * K + kk[None, :], mask=pair, other=0.0)
+            dst = dst_rows + s.to(tl.int64)[:, None] * D
+            for c0 in tl.static_range(0, D, CHUNK):
+                c = c0 + cols
+                cmask = c < D
+                acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+                for k in tl.static_range(K):
+                    pick = (kk == k)[None, :]
+                    pos = tl.sum(tl.where(pick, pos_RK, 0), axis=1)
+                    w = tl.sum(tl.where(pick, w_RK, 0.0), axis=1)
+                    y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + c[None, :],
+                                mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
+                    acc += w[:, None] * y.to(tl.float32)
+                tl.store(tl.multiple_of(dst + c[None, :], [1, 16]),
+                         acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
     _signal(flag_peers, rank, R)
 
 
@@ -245,47 +267,47 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, totals_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr):
     """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
-    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
+    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none), also added
+    into totals[l] (zeroed before)."""
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = (parity * R + r) * C + s
     lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=pair, other=-1)
     ll = tl.arange(0, BLOCK_L)
-    hits = (lid[:, None] == ll[None, :]).to(tl.int32)
-    tl.store(table_ptr + (r * NB + tl.program_id(1)) * L + ll, tl.sum(hits, axis=0), mask=ll < L)
+    hits = tl.sum((lid[:, None] == ll[None, :]).to(tl.int32), axis=0)
+    tl.store(table_ptr + (r * NB + tl.program_id(1)) * L + ll, hits, mask=ll < L)
+    tl.atomic_add(totals_ptr + ll, hits, mask=(ll < L) & (hits > 0), sem="relaxed")
 
 
 @triton.jit
-def _layout_scan_kernel(table_ptr, count_ptr, seq_ptr, counts_ptr, offsets_ptr, start_ptr, recv_counts_ptr,
-                        B, R: tl.constexpr, L: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
-    """One program: counts[l] = sum_b table[b, l]; offsets = exclusive prefix sum of counts (L+1
-    entries); start[b, l] = offsets[l] + sum_{b' < b} table[b', l] (the batch row of block b's first
-    pair of expert l); recv_counts[r] = recv_count[parity, r]."""
-    parity = tl.load(seq_ptr) % 2
-    rr = tl.arange(0, BLOCK_R)
-    tl.store(recv_counts_ptr + rr, tl.load(count_ptr + parity * R + rr, mask=rr < R), mask=rr < R)
+def _layout_scan_kernel(table_ptr, totals_ptr, count_ptr, seq_ptr, offsets_ptr, start_ptr, recv_counts_ptr,
+                        B, R: tl.constexpr, L: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program e takes experts [e * BLOCK_E, (e + 1) * BLOCK_E): start[b, l] = offsets[l] +
+    sum_{b' < b} table[b', l] (the batch row of block b's first pair of expert l), offsets being the
+    exclusive prefix sum of totals (the per-expert pair counts). Program 0 also writes offsets (L+1
+    entries) and recv_counts[r] = recv_count[parity, r]."""
     ll = tl.arange(0, BLOCK_L)
-    lmask = ll < L
-    totals = tl.zeros([BLOCK_L], dtype=tl.int32)
+    totals = tl.load(totals_ptr + ll, mask=ll < L, other=0)
+    if tl.program_id(0) == 0:
+        ends = tl.cumsum(totals, axis=0)
+        tl.store(offsets_ptr + ll, ends - totals, mask=ll < L)
+        tl.store(offsets_ptr + L, tl.sum(totals, axis=0))
+        parity = tl.load(seq_ptr) % 2
+        rr = tl.arange(0, BLOCK_R)
+        tl.store(recv_counts_ptr + rr, tl.load(count_ptr + parity * R + rr, mask=rr < R), mask=rr < R)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = e < L
+    running = tl.sum(tl.where(ll[None, :] < e[:, None], totals[None, :], 0), axis=1)  # offsets[e]
     for b0 in range(0, B, BLOCK_B):
         bb = b0 + tl.arange(0, BLOCK_B)
-        tile = tl.load(table_ptr + bb[:, None] * L + ll[None, :], mask=(bb < B)[:, None] & lmask[None, :], other=0)
-        totals += tl.sum(tile, axis=0)
-    ends = tl.cumsum(totals, axis=0)
-    tl.store(counts_ptr + ll, totals, mask=lmask)
-    tl.store(offsets_ptr + ll, ends - totals, mask=lmask)
-    tl.store(offsets_ptr + L, tl.sum(totals, axis=0))
-    running = ends - totals
-    for b0 in range(0, B, BLOCK_B):
-        bb = b0 + tl.arange(0, BLOCK_B)
-        m = (bb < B)[:, None] & lmask[None, :]
-        tile = tl.load(table_ptr + bb[:, None] * L + ll[None, :], mask=m, other=0)
-        tl.store(start_ptr + bb[:, None] * L + ll[None, :], running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
+        m = (bb < B)[:, None] & emask[None, :]
+        tile = tl.load(table_ptr + bb[:, None] * L + e[None, :], mask=m, other=0)
+        tl.store(start_ptr + bb[:, None] * L + e[None, :], running[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
         running += tl.sum(tile, axis=0)
 
 
@@ -322,9 +344,10 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
     R = world_size
     slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
     counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
-    BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_K = triton.next_power_of_2(K)
     _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
-                               BLOCK_T=4096 // BLOCK_R, BLOCK_R=BLOCK_R, num_warps=8)
+                               BLOCK_T=max(1, 8192 // BLOCK_K), BLOCK_K=BLOCK_K,
+                               BLOCK_R=triton.next_power_of_2(R), num_warps=8)
     return slot_TR, counts_R
 
 
@@ -366,10 +389,11 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
     -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank.
     """
     N, D = y_ND.shape
-    R = counts_R.shape[0]
+    R, K = counts_R.shape[0], pos_PK.shape[1]
+    chunk, rows = combine_tiles(D)
     _combine_send_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
-        R=R, C=capacity, D=D, K=pos_PK.shape[1], BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D),
+        R=R, C=capacity, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
         PROGRAMS=launch.combine_programs, num_warps=launch.combine_warps)
 
 
@@ -388,38 +412,44 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
-                 num_local_experts: int) -> torch.Tensor:
-    """Per block of received rows, pairs of each local expert: int32 [B, L] (no host sync).
+                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of received rows, pairs of each local expert: table_BL int32 [B, L], and their sum
+    counts_L int32 [L] (no host sync).
 
     recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r].
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, R=R, C=C, K=K, L=L, NB=NB,
+    counts_L = torch.zeros(L, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, counts_L, R=R, C=C, K=K, L=L, NB=NB,
                                   BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
                                   BLOCK_L=triton.next_power_of_2(L), num_warps=4)
-    return table_BL
+    return table_BL, counts_L
 
 
-def layout_scan(table_BL: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the per-block counts table_BL int32 [B, L]: counts_L int32 [L], offsets_L1 int32 [L+1]
-    (exclusive prefix sum), start_BL int32 [B, L] (batch row of each block's first pair of each
-    expert) and recv_counts_R int32 [R] (rows received from each rank, parity seq_1 % 2 of
-    recv_count [2, R]). One program, no host sync."""
+# layout scan: experts per program, and blocks per step
+SCAN_EXPERTS = 8
+SCAN_BLOCKS = 512
+
+
+def layout_scan(table_BL: torch.Tensor, counts_L: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the per-block counts table_BL int32 [B, L] and their sum counts_L int32 [L]: offsets_L1
+    int32 [L+1] (exclusive prefix sum of counts_L), start_BL int32 [B, L] (batch row of each block's
+    first pair of each expert) and recv_counts_R int32 [R] (rows received from each rank, parity
+    seq_1 % 2 of recv_count [2, R]). One program per SCAN_EXPERTS experts, no host sync."""
     B, L = table_BL.shape
     R = recv_count.shape[1]
     dev = table_BL.device
-    counts_L = torch.empty(L, dtype=torch.int32, device=dev)
     offsets_L1 = torch.empty(L + 1, dtype=torch.int32, device=dev)
     start_BL = torch.empty_like(table_BL)
     recv_counts_R = torch.empty(R, dtype=torch.int32, device=dev)
-    BLOCK_L = triton.next_power_of_2(L)
-    _layout_scan_kernel[(1,)](table_BL, recv_count, seq_1, counts_L, offsets_L1, start_BL, recv_counts_R, B,
-                              R=R, L=L, BLOCK_B=max(1, 8192 // BLOCK_L), BLOCK_L=BLOCK_L,
-                              BLOCK_R=triton.next_power_of_2(R), num_warps=8)
-    return counts_L, offsets_L1, start_BL, recv_counts_R
+    _layout_scan_kernel[(triton.cdiv(L, SCAN_EXPERTS),)](
+        table_BL, counts_L, recv_count, seq_1, offsets_L1, start_BL, recv_counts_R, B, R=R, L=L,
+        BLOCK_B=SCAN_BLOCKS, BLOCK_E=SCAN_EXPERTS, BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_R=triton.next_power_of_2(R), num_warps=4)
+    return offsets_L1, start_BL, recv_counts_R
 
 
 def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
