@@ -54,16 +54,16 @@ def main() -> None:
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
-            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
-                                         totals_ptr="*i32", C="i32", NB="i32"),
+            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32", C="i32",
+                                         NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L)), ["ids_ptr", "table_ptr"], 4, 1), failures, False)
         BL = triton.next_power_of_2(L)
         check(f"layout_scan L{L}", compile_hopper(
             k._layout_scan_kernel,
-            dict(table_ptr="*i32", totals_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", offsets_ptr="*i32",
+            dict(table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i32",
                  start_ptr="*i32", recv_counts_ptr="*i32", B="i32"),
-            dict(R=2, L=L, BLOCK_B=k.SCAN_BLOCKS, BLOCK_E=k.SCAN_EXPERTS, BLOCK_L=BL, BLOCK_R=2),
-            ["table_ptr", "start_ptr"], 4, 1),
+            dict(R=2, L=L, BLOCK_T=max(1, k.SCAN_SUM_STEP // BL), BLOCK_B=k.SCAN_BLOCKS, BLOCK_E=k.SCAN_EXPERTS,
+                 BLOCK_L=BL, BLOCK_R=2), ["table_ptr", "start_ptr"], 8, 1),
             failures, False)
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,

@@ -309,20 +309,21 @@ def test_triton_experts_read_the_receive_buffer(quant):
 
 
 def test_layout_scan_matches_torch(monkeypatch):
-    """The scan over per-block counts, with several steps of blocks per program and a last program of
-    fewer experts (L 250, 8 experts and 32 blocks a step)."""
+    """The scan over per-block counts, with several steps of blocks per program in both passes and a
+    last program of fewer experts (L 250: 8 experts a program, 32 blocks a step)."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "SCAN_BLOCKS", 32)
+    monkeypatch.setattr(ht, "SCAN_SUM_STEP", 32 * 256)
     B, L, R = 100, 250, 3
     g = torch.Generator().manual_seed(0)
     table = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
-    want_counts = table.sum(0, dtype=torch.int32)
     recv_count = torch.randint(0, 50, (2, R), generator=g, dtype=torch.int32)
     seq = torch.tensor([7], dtype=torch.int32)
-    offsets, start, recv = (t.cpu() for t in ht.layout_scan(table.to(_EMU_DEVICE), want_counts.to(_EMU_DEVICE),
-                                                             recv_count.to(_EMU_DEVICE), seq.to(_EMU_DEVICE)))
+    counts, offsets, start, recv = (t.cpu() for t in ht.layout_scan(table.to(_EMU_DEVICE), recv_count.to(_EMU_DEVICE),
+                                                                     seq.to(_EMU_DEVICE)))
+    want_counts = table.sum(0, dtype=torch.int32)
     want_offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(want_counts, 0, dtype=torch.int32)])
-    assert torch.equal(offsets, want_offsets)
+    assert torch.equal(counts, want_counts) and torch.equal(offsets, want_offsets)
     assert torch.equal(start, torch.cumsum(table, 0, dtype=torch.int32) - table + want_offsets[:L])
     assert torch.equal(recv, recv_count[1])  # parity 7 % 2
 

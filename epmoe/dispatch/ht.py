@@ -238,14 +238,14 @@ class HtDispatcher(Dispatcher):
 
         Work proportional to the pairs received: a count and a place kernel over blocks of received
         rows, with a scan of the [B, L] table of per-block counts between them (one program per few
-        experts; five launches in all, the host waits for them); no row is copied.
+        experts; four launches in all, the host waits for them); no row is copied.
         """
         L = self.num_local_experts
         seq = self.ws.local("dispatch_seq")
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        table_BL, counts_L = kernels.layout_count(recv_ids, recv_count, seq, self.blocks, L)
-        offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, counts_L, recv_count, seq)
+        table_BL = kernels.layout_count(recv_ids, recv_count, seq, self.blocks, L)
+        counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, seq)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL,
                                                           self.blocks, self.max_recv_rows)
         # everything above is queued before the host waits for n

@@ -267,35 +267,40 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, totals_ptr,
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr):
     """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
-    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none), also added
-    into totals[l] (zeroed before)."""
+    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = (parity * R + r) * C + s
     lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=pair, other=-1)
     ll = tl.arange(0, BLOCK_L)
     hits = tl.sum((lid[:, None] == ll[None, :]).to(tl.int32), axis=0)
     tl.store(table_ptr + (r * NB + tl.program_id(1)) * L + ll, hits, mask=ll < L)
-    tl.atomic_add(totals_ptr + ll, hits, mask=(ll < L) & (hits > 0), sem="relaxed")
 
 
 @triton.jit
-def _layout_scan_kernel(table_ptr, totals_ptr, count_ptr, seq_ptr, offsets_ptr, start_ptr, recv_counts_ptr,
-                        B, R: tl.constexpr, L: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+def _layout_scan_kernel(table_ptr, count_ptr, seq_ptr, counts_ptr, offsets_ptr, start_ptr, recv_counts_ptr,
+                        B, R: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
     """Program e takes experts [e * BLOCK_E, (e + 1) * BLOCK_E): start[b, l] = offsets[l] +
     sum_{b' < b} table[b', l] (the batch row of block b's first pair of expert l), offsets being the
-    exclusive prefix sum of totals (the per-expert pair counts). Program 0 also writes offsets (L+1
-    entries) and recv_counts[r] = recv_count[parity, r]."""
+    exclusive prefix sum of counts[l] = sum_b table[b, l], which every program sums itself (BLOCK_T
+    blocks a step; no atomics: a reduced vector may be replicated across threads). Program 0 writes
+    counts, offsets (L+1 entries) and recv_counts[r] = recv_count[parity, r]."""
     ll = tl.arange(0, BLOCK_L)
-    totals = tl.load(totals_ptr + ll, mask=ll < L, other=0)
+    lmask = ll < L
+    totals = tl.zeros([BLOCK_L], dtype=tl.int32)
+    for b0 in range(0, B, BLOCK_T):
+        bb = b0 + tl.arange(0, BLOCK_T)
+        totals += tl.sum(tl.load(table_ptr + bb[:, None] * L + ll[None, :], mask=(bb < B)[:, None] & lmask[None, :],
+                                 other=0), axis=0)
     if tl.program_id(0) == 0:
         ends = tl.cumsum(totals, axis=0)
-        tl.store(offsets_ptr + ll, ends - totals, mask=ll < L)
+        tl.store(counts_ptr + ll, totals, mask=lmask)
+        tl.store(offsets_ptr + ll, ends - totals, mask=lmask)
         tl.store(offsets_ptr + L, tl.sum(totals, axis=0))
         parity = tl.load(seq_ptr) % 2
         rr = tl.arange(0, BLOCK_R)
@@ -412,44 +417,45 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
-                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of received rows, pairs of each local expert: table_BL int32 [B, L], and their sum
-    counts_L int32 [L] (no host sync).
+                 num_local_experts: int) -> torch.Tensor:
+    """Per block of received rows, pairs of each local expert: int32 [B, L] (no host sync).
 
     recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r].
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    counts_L = torch.zeros(L, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, counts_L, R=R, C=C, K=K, L=L, NB=NB,
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, R=R, C=C, K=K, L=L, NB=NB,
                                   BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
                                   BLOCK_L=triton.next_power_of_2(L), num_warps=4)
-    return table_BL, counts_L
+    return table_BL
 
 
-# layout scan: experts per program, and blocks per step
+# layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
 SCAN_EXPERTS = 8
 SCAN_BLOCKS = 512
+SCAN_SUM_STEP = 16384
 
 
-def layout_scan(table_BL: torch.Tensor, counts_L: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the per-block counts table_BL int32 [B, L] and their sum counts_L int32 [L]: offsets_L1
-    int32 [L+1] (exclusive prefix sum of counts_L), start_BL int32 [B, L] (batch row of each block's
-    first pair of each expert) and recv_counts_R int32 [R] (rows received from each rank, parity
-    seq_1 % 2 of recv_count [2, R]). One program per SCAN_EXPERTS experts, no host sync."""
+def layout_scan(table_BL: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the per-block counts table_BL int32 [B, L]: counts_L int32 [L], offsets_L1 int32 [L+1]
+    (exclusive prefix sum), start_BL int32 [B, L] (batch row of each block's first pair of each
+    expert) and recv_counts_R int32 [R] (rows received from each rank, parity seq_1 % 2 of
+    recv_count [2, R]). One program per SCAN_EXPERTS experts, no host sync."""
     B, L = table_BL.shape
     R = recv_count.shape[1]
     dev = table_BL.device
+    counts_L = torch.empty(L, dtype=torch.int32, device=dev)
     offsets_L1 = torch.empty(L + 1, dtype=torch.int32, device=dev)
     start_BL = torch.empty_like(table_BL)
     recv_counts_R = torch.empty(R, dtype=torch.int32, device=dev)
+    BLOCK_L = triton.next_power_of_2(L)
     _layout_scan_kernel[(triton.cdiv(L, SCAN_EXPERTS),)](
-        table_BL, counts_L, recv_count, seq_1, offsets_L1, start_BL, recv_counts_R, B, R=R, L=L,
-        BLOCK_B=SCAN_BLOCKS, BLOCK_E=SCAN_EXPERTS, BLOCK_L=triton.next_power_of_2(L),
-        BLOCK_R=triton.next_power_of_2(R), num_warps=4)
-    return offsets_L1, start_BL, recv_counts_R
+        table_BL, recv_count, seq_1, counts_L, offsets_L1, start_BL, recv_counts_R, B, R=R, L=L,
+        BLOCK_T=max(1, SCAN_SUM_STEP // BLOCK_L), BLOCK_B=SCAN_BLOCKS, BLOCK_E=SCAN_EXPERTS, BLOCK_L=BLOCK_L,
+        BLOCK_R=triton.next_power_of_2(R), num_warps=8)
+    return counts_L, offsets_L1, start_BL, recv_counts_R
 
 
 def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor,
