@@ -99,23 +99,20 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 @triton.jit
 def _number_pairs_kernel(ids_ptr, slot_ptr, count_ptr, seq_ptr, T,
                          R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr):
     """One program: slot[t, r] = number of earlier tokens sent to rank r if token t has an expert on r,
-    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1. Reads ids in
-    [BLOCK_T, BLOCK_K] tiles (contiguous)."""
+    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1."""
     rr = tl.arange(0, BLOCK_R)
-    kk = tl.arange(0, BLOCK_K)
     running = tl.zeros([BLOCK_R], dtype=tl.int32)
     for first in range(0, T, BLOCK_T):
         t = first + tl.arange(0, BLOCK_T)
         tmask = t < T
         t64 = t.to(tl.int64)
-        e = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=tmask[:, None] & (kk < K)[None, :], other=-1)
-        dest = tl.where((e >= 0) & (e < R * L), e // L, -1).to(tl.int32)
         wants = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
-        for r in tl.static_range(R):
-            hit = tl.max((dest == r).to(tl.int32), axis=1)
-            wants = tl.where(rr[None, :] == r, hit[:, None], wants)
+        for k in tl.static_range(K):
+            e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
+            dest = tl.where(e >= 0, e // L, -1)
+            wants = tl.maximum(wants, (dest[:, None] == rr[None, :]).to(tl.int32))
         slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + running[None, :], -1)
         tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & (rr < R)[None, :])
         running += tl.sum(wants, axis=0)
@@ -195,12 +192,16 @@ def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, 
     """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
     (pos -1: none, k ascending), stored as one row into rank r's combine region at (this rank, s);
     ROWS rows per program step, CHUNK columns at a time with the K gathered loads of a chunk
-    independent of each other (all in flight at once); then one signal per peer."""
+    independent of each other (all in flight at once); program pid takes source ranks in the order
+    pid, pid + 1, ... (mod R); then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, CHUNK)
     kk = tl.arange(0, BLOCK_K)
-    for r in tl.static_range(R):
+    for i in tl.static_range(R):
+        # programs start at different source ranks: while some store over the link, others store
+        # locally (rank's own rows), instead of all programs going through the ranks in step
+        r = (pid + i) % R
         count = tl.load(count_ptr + r)
         dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C).to(tl.int64) * D
         for first in range(pid * ROWS, count, PROGRAMS * ROWS):
@@ -349,10 +350,9 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
     R = world_size
     slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
     counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
-    BLOCK_K = triton.next_power_of_2(K)
+    BLOCK_R = triton.next_power_of_2(R)
     _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
-                               BLOCK_T=max(1, 8192 // BLOCK_K), BLOCK_K=BLOCK_K,
-                               BLOCK_R=triton.next_power_of_2(R), num_warps=8)
+                               BLOCK_T=4096 // BLOCK_R, BLOCK_R=BLOCK_R, num_warps=8)
     return slot_TR, counts_R
 
 
