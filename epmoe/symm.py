@@ -135,6 +135,15 @@ class EmulatedGroup:
 MAX_NVLINK_WORLD = 8
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` with the current CUDA device's index when it is "cuda" without one (tensors made there
+    report cuda:N, and buffers are compared with them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def symmetric_world(cfg, group) -> tuple[int, str]:
     """(R, "ok") when the symmetric-memory dispatchers can run `cfg` over `group`, else (0, reason).
 

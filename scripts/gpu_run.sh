@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of epmoe in one go, for a machine with 2 GPUs.
+# Every GPU test and benchmark of epmoe in one go, for a machine with 2 GPUs (or NPROC of them).
 #
-#   scripts/gpu_run.sh [OUT] [STAGES]
+#   [NPROC=2] [STAGE_TIMEOUT=900] scripts/gpu_run.sh [OUT] [STAGES]
 #
+# NPROC (2 to 8, default 2): ranks of the multi-GPU tests (as EPMOE_GPU_RANKS), of check, demo and
+# layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer, gemm
 # (gemm: scripts/gemm_probe.py, the launch-config probe behind the large-M table entries) (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
@@ -19,6 +21,8 @@ OUT="$(cd "$OUT" && pwd)"
 
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+NPROC="${NPROC:-2}"
+export EPMOE_GPU_RANKS="$NPROC"
 PY="${PYTHON:-python3}"
 LIMIT=(timeout --kill-after=30 "${STAGE_TIMEOUT:-900}")
 EPMOE=("${LIMIT[@]}" "$PY" -m epmoe.cli)
@@ -56,12 +60,12 @@ pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
 stage env      env_report
 stage tests    pytest_gpu "gpu and not gpu2" tests_gpu1
 stage tests2   pytest_gpu "gpu2" tests_gpu2
-stage check    "${EPMOE[@]}" check --device cuda --nproc 2
-stage demo     "${EPMOE[@]}" demo --device cuda --nproc 2
+stage check    "${EPMOE[@]}" check --device cuda --nproc "$NPROC"
+stage demo     "${EPMOE[@]}" demo --device cuda --nproc "$NPROC"
 stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
-stage dispatch "${EPMOE[@]}" bench dispatch --out "$OUT"
-stage ll       "${EPMOE[@]}" bench dispatch --mode ll --out "$OUT"
-stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc 2 --out "$OUT"
+stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
+stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
+stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
 stage gemm     "${LIMIT[@]}" "$PY" scripts/gemm_probe.py --out "$OUT"
 
 {

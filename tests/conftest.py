@@ -1,5 +1,6 @@
 """Test set-up: run Triton kernels on CPU tensors through the interpreter when there is no GPU, and skip
-tests marked `gpu` (needs CUDA) or `gpu2` (needs two CUDA devices) where those are missing.
+tests marked `gpu` (needs CUDA) or `gpu2` (needs several CUDA devices: epmoe.testing.gpu_test_ranks(),
+$EPMOE_GPU_RANKS, default 2) where those are missing.
 
 TRITON_INTERPRET must be set before triton is first imported, hence here and not in a test module.
 """
@@ -13,9 +14,11 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    from epmoe.testing import gpu_test_ranks
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = gpu_test_ranks()
     for item in items:
-        if "gpu2" in item.keywords and gpus < 2:
-            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices, found {gpus}"))
+        if "gpu2" in item.keywords and gpus < ranks:
+            item.add_marker(pytest.mark.skip(reason=f"needs {ranks} CUDA devices, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))

@@ -25,6 +25,7 @@ from epmoe.config import MoEConfig
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers
 from epmoe.symm import EmulatedGroup
+from epmoe.testing import gpu_test_ranks
 
 _INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 _EMU_DEVICE = "cpu" if _INTERPRET else "cuda"  # where emulated ranks keep their buffers
@@ -374,6 +375,16 @@ def test_refuses_bad_input():
         d.dispatch_send(x, ids + cfg.num_experts, w)
 
 
+def test_cuda_device_gets_an_index(monkeypatch):
+    """A dispatcher given device "cuda" keeps its buffers on cuda:N (the current device), as tensors
+    made with device="cuda" report it, so that its device check accepts them."""
+    from epmoe.symm import indexed_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert indexed_device("cuda") == torch.device("cuda", 3)
+    assert indexed_device("cuda:1") == torch.device("cuda", 1)
+    assert indexed_device("cpu") == torch.device("cpu")
+
+
 def test_registry_lists_ht():
     cfg = _cfg()
     assert "ht" in list_dispatchers(cfg, None)
@@ -399,14 +410,14 @@ def test_kernels_compile_for_hopper():
 
 # -- GPU tests (2 devices, real symmetric memory) ---------------------------------------------------
 
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and not _INTERPRET
+def _gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= gpu_test_ranks() and not _INTERPRET
 
 
-needs_two_gpus = pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs and TRITON_INTERPRET=0")
+needs_gpus = pytest.mark.skipif(not _gpus(), reason=f"needs {gpu_test_ranks()} GPUs and TRITON_INTERPRET=0")
 
 
-_GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens per rank, routing)
+_GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for more ranks), routing)
     (8, 3, 256, 256, [37, 0], "holes"), (16, 8, 7168, 7168, [64, 129], "random"),
     (4, 4, 72, 208, [5, 9], "one_expert")]
 
@@ -417,6 +428,7 @@ def _gpu_exact(ctx, quant, calls):
     for (E, K, D_bf16, D_fp8, Ts, routing), sync_free in ((case, sf) for sf in (False, True)
                                                           for case in _GPU_EXACT_CASES):
         D = D_fp8 if quant else D_bf16
+        E, Ts = -(-E // R) * R, (Ts * R)[:R]  # E a multiple of R, a token count per rank
         cfg = _cfg(E=E, K=K, D=D, C=max(Ts) + 3, quant=quant)
         d = HtDispatcher(cfg, ctx.group, sync_free=sync_free)
         L = cfg.num_experts // R
@@ -445,13 +457,13 @@ def _gpu_exact(ctx, quant, calls):
     return True
 
 
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.gpu2
 @pytest.mark.parametrize("quant", [None, "fp8_block"])
 def test_gpu_exact(quant):
-    """Exact rows and combine sums across 2 GPUs, with and without sync_free, 3 calls each."""
+    """Exact rows and combine sums across gpu_test_ranks() GPUs, with and without sync_free, 3 calls each."""
     from epmoe.launch import spawn
-    assert all(spawn(_gpu_exact, 2, "cuda", (quant, 3), timeout_s=240))
+    assert all(spawn(_gpu_exact, gpu_test_ranks(), "cuda", (quant, 3), timeout_s=240))
 
 
 def rows_by_expert(x: torch.Tensor, offsets_L1: torch.Tensor) -> torch.Tensor:
@@ -532,12 +544,12 @@ def _vs_alltoall(ctx, T, D, E, K, calls):
         assert_combine_bounded(cfg, R, out2, x, ids, w)
 
 
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.gpu2
 def test_gpu_random_matches_alltoall():
     from epmoe.launch import spawn
-    cases = [(1024, 7168, 256, 8), (333, 2048, 16, 3)]  # (T, D, E, K)
-    assert all(spawn(_gpu_vs_alltoall, 2, "cuda", (cases, 3), timeout_s=240))
+    cases = [(1024, 7168, 256, 8), (333, 2048, 16, 3)]  # (T, D, E, K); E divisible by 2, 4 and 8
+    assert all(spawn(_gpu_vs_alltoall, gpu_test_ranks(), "cuda", (cases, 3), timeout_s=240))
 
 
 def _gpu_graph(ctx, T, D, E, K):
@@ -569,8 +581,8 @@ def _gpu_graph(ctx, T, D, E, K):
     return eager.shape == (T, D)
 
 
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.gpu2
 def test_gpu_cuda_graph_sync_free():
     from epmoe.launch import spawn
-    assert all(spawn(_gpu_graph, 2, "cuda", (256, 1024, 16, 4), timeout_s=240))
+    assert all(spawn(_gpu_graph, gpu_test_ranks(), "cuda", (256, 1024, 16, 4), timeout_s=240))

@@ -1,5 +1,6 @@
 """Tests of the `ll` dispatcher: R ranks emulated in one process (CPU interpreter, or one GPU), and
-2 real ranks on 2 GPUs, including 100 CUDA-graph replays with changing routing and token counts.
+real ranks on several GPUs ($EPMOE_GPU_RANKS, default 2), including 100 CUDA-graph replays with changing
+routing and token counts.
 
 Shape letters: T tokens, D hidden size, K top-k, E experts, L local experts, M rows per expert slot,
 R ranks.
@@ -22,6 +23,7 @@ from epmoe.dispatch.ll import LLDispatcher
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
+from epmoe.testing import gpu_test_ranks
 
 EMU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -276,10 +278,11 @@ def test_emulated_wait_times_out_instead_of_hanging():
     d0.combine_recv(d0.combine_send(fake_experts(cfg, batch, 0), batch))  # returns, no spinning
 
 
-# ---- two real ranks (2 GPUs) -------------------------------------------------------------------
+# ---- real ranks (gpu_test_ranks() GPUs, default 2) ----------------------------------------------
 
 GPU_CASES = [
     # (E, K, D, Tmax, quant, combine): DeepSeek-V3 and Qwen3-30B-A3B layer shapes, and an odd small one
+    # (E rounded up to a multiple of the world size)
     (256, 8, 7168, 128, "fp8_block", "reduce"),
     (128, 8, 2048, 256, None, "source"),
     (6, 3, 200, 33, "fp8_block", "source"),
@@ -289,7 +292,7 @@ GPU_CASES = [
 # phases (two cases: each compiles its own kernels, and the run must stay within SPAWN_TIMEOUT_S)
 GRAPH_CASES = [(GPU_CASES[0], False), (GPU_CASES[3], True)]
 WAIT_TIMEOUT_S = 10.0  # device-side waits give up after this (the ranks compile the same kernels at once)
-SPAWN_TIMEOUT_S = 240.0  # the whole 2-rank run, so a hang fails the test instead of stalling it
+SPAWN_TIMEOUT_S = 240.0  # the whole multi-rank run, so a hang fails the test instead of stalling it
 
 
 def _call(d: LLDispatcher, cfg: MoEConfig, x, ids, w, split: bool):
@@ -366,6 +369,7 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
         case, split = item if replays else (item, False)
         t0 = time.monotonic()
         E, K, D, Tmax, quant, combine = case
+        E = -(-E // ctx.world_size) * ctx.world_size  # a multiple of the world size
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
                         max_tokens_per_rank=Tmax)
         d = make_dispatcher("ll", cfg, ctx.group, combine=combine, wait_timeout_s=WAIT_TIMEOUT_S)
@@ -379,27 +383,27 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
     return errors
 
 
-def _run_two_gpus(cases, replays: int) -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def _run_gpus(cases, replays: int) -> None:
+    """The cases on gpu_test_ranks() GPUs (default 2)."""
     from epmoe.launch import spawn
     for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                      ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
         os.environ.setdefault(key, val)
-    results = spawn(_gpu_cases_worker, nprocs=2, device="cuda", args=(cases, replays),
+    ranks = gpu_test_ranks()
+    results = spawn(_gpu_cases_worker, nprocs=ranks, device="cuda", args=(cases, replays),
                     timeout_s=SPAWN_TIMEOUT_S)
-    assert results == [[], []], "\n".join(e for rank_errors in results for e in rank_errors)
+    assert results == [[]] * ranks, "\n".join(e for rank_errors in results for e in rank_errors)
 
 
-@pytest.mark.gpu
-def test_two_gpus_eager():
+@pytest.mark.gpu2
+def test_gpus_eager():
     """Exact checks, random data, consecutive calls with 0, 1, Tmax/2+1 and Tmax tokens, skew; both
     combine modes, fp8 and bf16 dispatch, the fused calls and the split phases."""
-    _run_two_gpus(GPU_CASES, replays=0)
+    _run_gpus(GPU_CASES, replays=0)
 
 
-@pytest.mark.gpu
-def test_two_gpus_graph_replays():
+@pytest.mark.gpu2
+def test_gpus_graph_replays():
     """One captured graph per case (fused or split phases), 100 replays with new routing and active
     token counts, every replay checked."""
-    _run_two_gpus(GRAPH_CASES, replays=100)
+    _run_gpus(GRAPH_CASES, replays=100)

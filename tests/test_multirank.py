@@ -1,9 +1,10 @@
-"""allgather and alltoall over 1-4 gloo ranks (and NCCL on 2 GPUs): one spawn per world size runs every
+"""allgather and alltoall over 1-4 gloo ranks (and NCCL on gpu_test_ranks() GPUs): one spawn per world size runs every
 case of moe_cases with both dispatchers; exact and random data, T=0/1/odd, -1 ids, one hot expert,
 chunking with different chunk counts per rank, bad input refused before communication."""
 import pytest
 
 from epmoe.launch import spawn
+from epmoe.testing import gpu_test_ranks
 
 import moe_cases
 
@@ -22,5 +23,17 @@ def test_dispatchers_gloo(world_size):
 
 
 @pytest.mark.gpu2
-def test_dispatchers_nccl_two_gpus():
-    _report(spawn(moe_cases.run_cases, 2, "cuda", (("allgather", "alltoall"),), timeout_s=SPAWN_TIMEOUT_S))
+def test_dispatchers_nccl_gpus():
+    """On gpu_test_ranks() GPUs (default 2)."""
+    _report(spawn(moe_cases.run_cases, gpu_test_ranks(), "cuda", (("allgather", "alltoall"),),
+                  timeout_s=SPAWN_TIMEOUT_S))
+
+
+def test_gpu_test_ranks(monkeypatch):
+    monkeypatch.delenv("EPMOE_GPU_RANKS", raising=False)
+    assert gpu_test_ranks() == 2
+    monkeypatch.setenv("EPMOE_GPU_RANKS", "8")
+    assert gpu_test_ranks() == 8
+    monkeypatch.setenv("EPMOE_GPU_RANKS", "9")
+    with pytest.raises(ValueError, match="2 to 8"):
+        gpu_test_ranks()

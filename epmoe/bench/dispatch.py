@@ -1,4 +1,5 @@
-"""`epmoe bench dispatch`: the `ht` dispatcher against `alltoall` over NCCL, 2 ranks on 2 GPUs of one host.
+"""`epmoe bench dispatch`: the `ht` dispatcher against `alltoall` over NCCL, on 2 GPUs of one host (or
+--ranks N).
 
     python -m epmoe.bench.dispatch --out OUT_DIR [--tokens 512,1024,4096,8192] [--hidden 7168] [--topk 8]
                                    [--experts 256] [--iters 20] [--warmup 5]

@@ -1,10 +1,10 @@
-"""Benchmark of the `ll` dispatcher on 2 GPUs, with the NCCL `alltoall` path (and `ht` when present) in
-the same run.
+"""Benchmark of the `ll` dispatcher on 2 GPUs (or --ranks N), with the NCCL `alltoall` path (and `ht` when
+present) in the same run.
 
-    python -m epmoe.bench.dispatch_ll --out results/          # or: epmoe bench dispatch --mode ll
+    python -m epmoe.bench.dispatch_ll --out results/ [--ranks 2]   # or: epmoe bench dispatch --mode ll
     (env: NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1)
 
-What is timed (CUDA events, median over iterations, microseconds, the slower of the two ranks):
+What is timed (CUDA events, median over iterations, microseconds, the slowest rank):
   ll: one CUDA graph for dispatch (the fused kernel) and one for combine (send + receive), replayed
       alternately after a sleep kernel that lets the host queue ahead; each time includes one graph
       launch on the GPU side. "split" times dispatch_send + dispatch_recv (two kernels) the same way. "pair/graph" is a graph of 16 (dispatch, combine) pairs divided by 16,
@@ -232,13 +232,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="tokens per rank")
     parser.add_argument("--iters", type=int, default=100, help="timed iterations per point")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--ranks", type=int, default=2, help="ranks, one GPU each (2 to 8)")
     args = parser.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("the ll benchmark needs 2 GPUs")
+    if not 2 <= args.ranks <= 8:
+        raise SystemExit(f"--ranks must be 2 to 8, got {args.ranks}")
+    if torch.cuda.device_count() < args.ranks:
+        raise SystemExit(f"the ll benchmark needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
     for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                      ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
         os.environ.setdefault(key, val)  # inherited by the spawned ranks
-    per_rank = spawn(_rank_main, nprocs=2, device="cuda",
+    per_rank = spawn(_rank_main, nprocs=args.ranks, device="cuda",
                      args=(tuple(args.tokens), args.iters, tuple(args.models)))
     rows = _slowest(per_rank)
     print(_table(rows))
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "dispatch_ll.json"
         path.write_text(json.dumps({"bench": "dispatch_ll", "device": torch.cuda.get_device_name(0),
-                                    "world_size": 2, "rows": rows}, indent=2))
+                                    "world_size": args.ranks, "rows": rows}, indent=2))
         print(f"wrote {path}")
 
 

@@ -37,7 +37,7 @@ from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ht as kernels
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, EmulatedGroup, Workspace, symmetric_world, torch_workspace
+from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetric_world, torch_workspace
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class HtDispatcher(Dispatcher):
         if device is None:
             device = torch.device("cpu") if isinstance(group, EmulatedGroup) else \
                 torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self.sync_free = bool(sync_free)
         self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
         self.fp8 = cfg.quant == "fp8_block"

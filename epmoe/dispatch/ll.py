@@ -69,7 +69,7 @@ from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ll as kernels
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, EmulatedGroup, Workspace, symmetric_world, torch_workspace
+from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetric_world, torch_workspace
 
 COMBINE_MODES = ("source", "reduce")
 
@@ -131,7 +131,7 @@ class LLDispatcher(Dispatcher):
         self._timeout_ns = int(wait_timeout_s * 1e9)
         super().__init__(cfg, group)
         if isinstance(group, EmulatedGroup):
-            self.device = torch.device("cpu" if device is None else device)
+            self.device = indexed_device("cpu" if device is None else device)
         else:
             if device is not None:
                 raise ValueError("device is set by the current CUDA device for a process group")
