@@ -11,7 +11,6 @@ of one rank.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,14 +30,6 @@ from .registry import dispatcher_class, experts_class, list_dispatchers, list_ex
 # re-quantization of activations whose rounding can flip when the kernels accumulate in another order.
 TOLERANCES = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2, "fp8_block": 6e-2}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def gpu_test_ranks() -> int:
-    """World size of the multi-GPU tests (marker `gpu2`): $EPMOE_GPU_RANKS, 2 to 8, default 2."""
-    ranks = int(os.environ.get("EPMOE_GPU_RANKS", "2"))
-    if not 2 <= ranks <= 8:
-        raise ValueError(f"EPMOE_GPU_RANKS must be 2 to 8, got {ranks}")
-    return ranks
 
 
 def precision(cfg: MoEConfig) -> str:

@@ -1,5 +1,5 @@
 """Test set-up: run Triton kernels on CPU tensors through the interpreter when there is no GPU, and skip
-tests marked `gpu` (needs CUDA) or `gpu2` (needs several CUDA devices: epmoe.testing.gpu_test_ranks(),
+tests marked `gpu` (needs CUDA) or `gpu2` (needs several CUDA devices: gpu_ranks.gpu_test_ranks(),
 $EPMOE_GPU_RANKS, default 2) where those are missing.
 
 TRITON_INTERPRET must be set before triton is first imported, hence here and not in a test module.
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    from epmoe.testing import gpu_test_ranks
+    from gpu_ranks import gpu_test_ranks
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ranks = gpu_test_ranks()
     for item in items:

@@ -30,6 +30,7 @@ def expect(ok, message: str) -> None:
         _failures.append(f"{traceback.extract_stack(limit=2)[0].name}: {message}")
 
 
+E_CASES = 24  # experts of the cases: divisible by every world size they run at (1 to 4, 6, 8)
 TOKEN_PATTERN = (7, 0, 5, 1)  # rank r has TOKEN_PATTERN[r % 4] tokens: odd T, T=0 and T=1 across ranks
 
 
@@ -88,11 +89,11 @@ def exact_round_trip(d: epmoe.Dispatcher, x_TD, ids_TK, w_TK, device) -> None:
 def case_exact(name, group, device) -> None:
     """Rows encode (rank, token, column); random ids with -1; power-of-two weights; exact sums."""
     rank, R = world(group)
-    cfg = epmoe.MoEConfig(num_experts=12, top_k=3, hidden_size=13, intermediate_size=8, dtype=torch.float32)
+    cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=3, hidden_size=13, intermediate_size=8, dtype=torch.float32)
     d = epmoe.make_dispatcher(name, cfg, group)
     g = torch.Generator().manual_seed(100 + rank)
     for T in (TOKEN_PATTERN[rank % 4], 3 + 2 * rank):
-        ids = random_ids(T, 12, 3, g)
+        ids = random_ids(T, E_CASES, 3, g)
         w = 2.0 ** torch.randint(-1, 2, (T, 3), generator=g).float()
         exact_round_trip(d, exact_tokens(T, 13, rank), ids, w, device)
 
@@ -100,11 +101,11 @@ def case_exact(name, group, device) -> None:
 def case_one_expert(name, group, device) -> None:
     """Every token of every rank goes to the last expert (the last rank), other slots -1."""
     rank, R = world(group)
-    cfg = epmoe.MoEConfig(num_experts=12, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     d = epmoe.make_dispatcher(name, cfg, group)
     T = 9 + rank
     ids = torch.full((T, 2), -1, dtype=torch.int64)
-    ids[:, 0] = 11
+    ids[:, 0] = E_CASES - 1
     exact_round_trip(d, exact_tokens(T, 16, rank), ids, torch.full((T, 2), 0.5), device)
 
 
@@ -213,7 +214,7 @@ def case_fused_vs_dense(name, group, device) -> None:
     ranks make different numbers of chunks) against the dense loop, in fp32 and bf16."""
     rank, R = world(group)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        cfg = epmoe.MoEConfig(num_experts=12, top_k=3, hidden_size=24, intermediate_size=10, dtype=dtype,
+        cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=3, hidden_size=24, intermediate_size=10, dtype=dtype,
                               max_tokens_per_rank=4, scoring="sigmoid", num_groups=4, topk_groups=2,
                               routed_scaling_factor=2.5)
         weights = make_weights(cfg, 5, device)

@@ -23,7 +23,7 @@ from epmoe.dispatch.ll import LLDispatcher
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
-from epmoe.testing import gpu_test_ranks
+from gpu_ranks import gpu_test_ranks
 
 EMU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -4,7 +4,7 @@ chunking with different chunk counts per rank, bad input refused before communic
 import pytest
 
 from epmoe.launch import spawn
-from epmoe.testing import gpu_test_ranks
+from gpu_ranks import gpu_test_ranks
 
 import moe_cases
 
