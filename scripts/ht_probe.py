@@ -57,7 +57,7 @@ def _profile(ctx, args):
 
     T, D, K, E = args.tokens, 7168, 8, 256
     inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
-    kept = []
+    kept = []  # workspaces stay allocated to the end: no symmetric-memory frees between precisions
     for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
