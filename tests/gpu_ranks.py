@@ -8,3 +8,8 @@ def gpu_test_ranks() -> int:
     if not 2 <= ranks <= 8:
         raise ValueError(f"EPMOE_GPU_RANKS must be 2 to 8, got {ranks}")
     return ranks
+
+
+def multiple_of(n: int, ranks: int) -> int:
+    """n rounded up to a multiple of `ranks` (expert counts of test cases that run at any world size)."""
+    return -(-n // ranks) * ranks

@@ -25,7 +25,7 @@ from epmoe.config import MoEConfig
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers
 from epmoe.symm import EmulatedGroup
-from gpu_ranks import gpu_test_ranks
+from gpu_ranks import gpu_test_ranks, multiple_of
 
 _INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 _EMU_DEVICE = "cpu" if _INTERPRET else "cuda"  # where emulated ranks keep their buffers
@@ -428,7 +428,7 @@ def _gpu_exact(ctx, quant, calls):
     for (E, K, D_bf16, D_fp8, Ts, routing), sync_free in ((case, sf) for sf in (False, True)
                                                           for case in _GPU_EXACT_CASES):
         D = D_fp8 if quant else D_bf16
-        E, Ts = -(-E // R) * R, (Ts * R)[:R]  # E a multiple of R, a token count per rank
+        E, Ts = multiple_of(E, R), (Ts * R)[:R]  # a token count per rank
         cfg = _cfg(E=E, K=K, D=D, C=max(Ts) + 3, quant=quant)
         d = HtDispatcher(cfg, ctx.group, sync_free=sync_free)
         L = cfg.num_experts // R
@@ -522,7 +522,7 @@ def _vs_alltoall(ctx, T, D, E, K, calls):
     from epmoe.dispatch.alltoall import AllToAllDispatcher
     from epmoe.dispatch.ht import HtDispatcher
     R = ctx.world_size
-    E = -(-E // R) * R  # a multiple of R
+    E = multiple_of(E, R)
     cfg = _cfg(E=E, K=K, D=D, C=T)
     L = E // R
     ht, a2a = HtDispatcher(cfg, ctx.group), AllToAllDispatcher(cfg, ctx.group)
@@ -556,7 +556,7 @@ def test_gpu_random_matches_alltoall():
 
 def _gpu_graph(ctx, T, D, E, K):
     from epmoe.dispatch.ht import HtDispatcher
-    E = -(-E // ctx.world_size) * ctx.world_size  # a multiple of the world size
+    E = multiple_of(E, ctx.world_size)
     cfg = _cfg(E=E, K=K, D=D, C=T)
     d = HtDispatcher(cfg, ctx.group, sync_free=True)
     L = E // ctx.world_size

@@ -23,7 +23,7 @@ from epmoe.dispatch.ll import LLDispatcher
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
-from gpu_ranks import gpu_test_ranks
+from gpu_ranks import gpu_test_ranks, multiple_of
 
 EMU_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -369,7 +369,7 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
         case, split = item if replays else (item, False)
         t0 = time.monotonic()
         E, K, D, Tmax, quant, combine = case
-        E = -(-E // ctx.world_size) * ctx.world_size  # a multiple of the world size
+        E = multiple_of(E, ctx.world_size)
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=64, quant=quant,
                         max_tokens_per_rank=Tmax)
         d = make_dispatcher("ll", cfg, ctx.group, combine=combine, wait_timeout_s=WAIT_TIMEOUT_S)
@@ -386,8 +386,8 @@ def _gpu_cases_worker(ctx, cases, replays: int) -> list[str]:
 def _run_gpus(cases, replays: int) -> None:
     """The cases on gpu_test_ranks() GPUs (default 2)."""
     from epmoe.launch import spawn
-    for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+    from epmoe.bench.dispatch import NVLINK_ENV
+    for key, val in NVLINK_ENV.items():
         os.environ.setdefault(key, val)
     ranks = gpu_test_ranks()
     results = spawn(_gpu_cases_worker, nprocs=ranks, device="cuda", args=(cases, replays),

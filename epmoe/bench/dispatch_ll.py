@@ -32,6 +32,7 @@ from ..launch import spawn
 from ..quant import dequantize_act_ref
 from ..registry import dispatcher_class, make_dispatcher
 from ..routing import route
+from .dispatch import NVLINK_ENV
 
 MODELS = {
     "deepseek-v3": dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048),
@@ -238,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--ranks must be 2 to 8, got {args.ranks}")
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"the ll benchmark needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    for key, val in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
-                     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+    for key, val in NVLINK_ENV.items():
         os.environ.setdefault(key, val)  # inherited by the spawned ranks
     per_rank = spawn(_rank_main, nprocs=args.ranks, device="cuda",
                      args=(tuple(args.tokens), args.iters, tuple(args.models)))

@@ -117,8 +117,7 @@ class HtDispatcher(Dispatcher):
             raise ValueError(f"dispatcher 'ht': {reason}")
         super().__init__(cfg, group)
         if device is None:
-            device = torch.device("cpu") if isinstance(group, EmulatedGroup) else \
-                torch.device("cuda", torch.cuda.current_device())
+            device = "cpu" if isinstance(group, EmulatedGroup) else "cuda"
         self.device = indexed_device(device)
         self.sync_free = bool(sync_free)
         self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
@@ -134,6 +133,7 @@ class HtDispatcher(Dispatcher):
             self.ws: Workspace = group.workspace(("ht", cfg, str(self.device)), specs, self.device)
         else:
             self.ws = torch_workspace(specs, group, self.device)
+        self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -220,8 +220,7 @@ class HtDispatcher(Dispatcher):
         seq = self.ws.local("dispatch_seq")
         # slots, counts, and this call's epoch (seq + 1, on the device: graph-replayable), one kernel
         slot_TR, counts_R = kernels.number_pairs(ids_TK, seq, R, L)
-        peers = {name: self.ws.peers(name) for name in self.ws.specs}
-        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq, peers, self.rank,
+        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq, self._peers, self.rank,
                               self.capacity, L, self.fp8, self.launch)
         return HtDispatchPending(slot_TR=slot_TR, num_tokens=T)
 

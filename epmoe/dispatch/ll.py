@@ -135,7 +135,7 @@ class LLDispatcher(Dispatcher):
         else:
             if device is not None:
                 raise ValueError("device is set by the current CUDA device for a process group")
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = indexed_device("cuda")
         self.combine_mode = combine
         self.reduce = combine == "reduce"
         self.quant = cfg.quant == "fp8_block"

@@ -30,7 +30,8 @@ class HtLaunch:
     """Launch config of the ht kernels: `programs` persistent programs of the dispatch send kernel and
     `combine_programs` of the combine send kernel (the same on every rank, and fixed for a workspace's
     lifetime: flags count one signal per program and call), with `num_warps` / `combine_warps` each;
-    `rows(D)` rows per program step in the send and combine kernels."""
+    `rows(D)` rows per program step in the dispatch send and the final combine sum (the combine send's
+    tiles: `combine_tiles`)."""
 
     programs: int
     num_warps: int
