@@ -67,6 +67,15 @@ def combine_tiles(hidden: int) -> tuple[int, int]:
     return chunk, max(1, COMBINE_STEP // chunk)
 
 
+# host-synced combine: bytes of rows per copy-engine copy (the SMs reduce the next chunk meanwhile)
+COPY_CHUNK_BYTES = 16 << 20
+
+
+def copy_chunk_rows(row_bytes: int) -> int:
+    """Rows per copy of the host-synced combine: about COPY_CHUNK_BYTES."""
+    return max(1, COPY_CHUNK_BYTES // row_bytes)
+
+
 @dataclass(frozen=True)
 class LayoutBlocks:
     """Blocking of the layout kernels: a program takes block_s received rows x block_k slots (pairs)."""
@@ -98,27 +107,85 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 
 
 @triton.jit
-def _number_pairs_kernel(ids_ptr, slot_ptr, count_ptr, seq_ptr, T,
+def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, T, NT,
                          R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_R: tl.constexpr):
-    """One program: slot[t, r] = number of earlier tokens sent to rank r if token t has an expert on r,
-    else -1 (ids outside [0, R*L) count as -1); count[r] = tokens sent to r; seq += 1."""
+    """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T): slot[t, r] = earlier tokens of the block sent
+    to rank r if token t has an expert on r, else -1 (ids outside [0, R*L) count as none);
+    table[0, b, r] = tokens of the block sent to r, table[1, b, r] = their (token, slot) pairs on r.
+    Reads ids one slot at a time (a [BLOCK_T, K] tile reduced over K counted wrong on an H200 at K 8)."""
+    b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
-    running = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for first in range(0, T, BLOCK_T):
-        t = first + tl.arange(0, BLOCK_T)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        wants = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
-        for k in tl.static_range(K):
-            e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
-            dest = tl.where(e >= 0, e // L, -1)
-            wants = tl.maximum(wants, (dest[:, None] == rr[None, :]).to(tl.int32))
-        slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + running[None, :], -1)
-        tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & (rr < R)[None, :])
-        running += tl.sum(wants, axis=0)
-    tl.store(count_ptr + rr, running, mask=rr < R)
-    tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    hits = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.int32)
+    for k in tl.static_range(K):
+        e = tl.load(ids_ptr + t64 * K + k, mask=tmask, other=-1).to(tl.int32)
+        dest = tl.where((e >= 0) & (e < R * L), e // L, -1)
+        hits += (dest[:, None] == rr[None, :]).to(tl.int32)
+    wants = (hits > 0).to(tl.int32)
+    rmask = rr < R
+    tl.store(slot_ptr + t64[:, None] * R + rr[None, :], tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1, -1),
+             mask=tmask[:, None] & rmask[None, :])
+    tl.store(table_ptr + b * R + rr, tl.sum(wants, axis=0), mask=rmask)
+    tl.store(table_ptr + (NT + b) * R + rr, tl.sum(hits, axis=0), mask=rmask)
+
+
+@triton.jit
+def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs_peers, flag_peers, T, NT, rank,
+                       R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
+    """Program b adds the tokens that earlier blocks sent to each rank to its block's slots. Program 0
+    also writes count[r] = tokens sent to r, advances the epoch (seq += 1, epoch[0] = the new value)
+    and stores (tokens, pairs) sent to r into rank r's pairs[parity, rank] with one release signal
+    per rank (flag[rank] on r), for the receiver's early, host-side sizes (`recv_sizes`)."""
+    b = tl.program_id(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    base = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for b0 in range(0, b, BLOCK_NT):
+        bb = b0 + tl.arange(0, BLOCK_NT)
+        earlier = (bb < b)[:, None] & rmask[None, :]
+        base += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=earlier, other=0), axis=0)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = (t < T)[:, None] & rmask[None, :]
+    at = slot_ptr + t.to(tl.int64)[:, None] * R + rr[None, :]
+    slot = tl.load(at, mask=tmask, other=-1)
+    tl.store(at, tl.where(slot >= 0, slot + base[None, :], -1), mask=tmask)
+    if b == 0:
+        rows = tl.zeros([BLOCK_R], dtype=tl.int32)
+        pairs = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for b0 in range(0, NT, BLOCK_NT):
+            bb = b0 + tl.arange(0, BLOCK_NT)
+            valid = (bb < NT)[:, None] & rmask[None, :]
+            rows += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=valid, other=0), axis=0)
+            pairs += tl.sum(tl.load(table_ptr + (NT + bb[:, None]) * R + rr[None, :], mask=valid, other=0), axis=0)
+        tl.store(count_ptr + rr, rows, mask=rmask)
+        epoch = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, epoch)
+        tl.store(epoch_ptr, epoch)
+        parity = epoch % 2
+        for r in tl.static_range(R):
+            dst = _peer(pairs_peers, r, tl.int32) + (parity * R + rank) * 2
+            tl.store(dst, tl.sum(tl.where(rr == r, rows, 0), axis=0))
+            tl.store(dst + 1, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+        _signal(flag_peers, rank, R)
+
+
+@triton.jit
+def _recv_sizes_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
+    system scope), then out[0] = (token, slot) pairs received in all, out[1 + r] = rows from rank r."""
+    epoch = tl.load(epoch_ptr)
+    for r in tl.static_range(R):
+        seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    at = pairs_ptr + ((epoch % 2) * R + rr) * 2
+    tl.store(out_ptr + 1 + rr, tl.load(at, mask=rmask, other=0, volatile=True), mask=rmask)
+    tl.store(out_ptr, tl.sum(tl.load(at + 1, mask=rmask, other=0, volatile=True), axis=0))
 
 
 @triton.jit
@@ -187,18 +254,40 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
 
 
 @triton.jit
+def _reduce_rows(y_ptr, pos_ptr, w_ptr, p, smask, dst, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """dst[i, :] = sum_k w[p_i, k] * y[pos[p_i, k], :] in fp32 (pos -1: none, k ascending) for the
+    ROWS received rows p where smask; dst: [ROWS] row pointers. CHUNK columns at a time, the K
+    gathered loads of a chunk independent of each other (all in flight at once)."""
+    cols = tl.arange(0, CHUNK)
+    kk = tl.arange(0, BLOCK_K)
+    pair = smask[:, None] & (kk < K)[None, :]
+    pos_RK = tl.load(pos_ptr + p[:, None] * K + kk[None, :], mask=pair, other=-1)
+    w_RK = tl.load(w_ptr + p[:, None] * K + kk[None, :], mask=pair, other=0.0)
+    for c0 in tl.static_range(0, D, CHUNK):
+        c = c0 + cols
+        cmask = c < D
+        acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            pick = (kk == k)[None, :]
+            pos = tl.sum(tl.where(pick, pos_RK, 0), axis=1)
+            w = tl.sum(tl.where(pick, w_RK, 0.0), axis=1)
+            y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + c[None, :],
+                        mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
+            acc += w[:, None] * y.to(tl.float32)
+        tl.store(tl.multiple_of(dst[:, None] + c[None, :], [1, 16]),
+                 acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
                          R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNK: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
-    """For each received row (source r, slot s): sum_k w[k] * y[pos[k]] in fp32 over its local pairs
-    (pos -1: none, k ascending), stored as one row into rank r's combine region at (this rank, s);
-    ROWS rows per program step, CHUNK columns at a time with the K gathered loads of a chunk
-    independent of each other (all in flight at once); program pid takes source ranks in the order
-    pid, pid + 1, ... (mod R); then one signal per peer."""
+    """For each received row (source r, slot s): its reduced local results (`_reduce_rows`) stored
+    into rank r's combine region at (this rank, s); ROWS rows per program step; program pid takes
+    source ranks in the order pid, pid + 1, ... (mod R); then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
-    cols = tl.arange(0, CHUNK)
-    kk = tl.arange(0, BLOCK_K)
     for i in tl.static_range(R):
         # programs start at different source ranks: while some store over the link, others store
         # locally (rank's own rows), instead of all programs going through the ranks in step
@@ -207,39 +296,41 @@ def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, 
         dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C).to(tl.int64) * D
         for first in range(pid * ROWS, count, PROGRAMS * ROWS):
             s = first + tl.arange(0, ROWS)
-            smask = s < count
-            p = r * C + s
-            pair = smask[:, None] & (kk < K)[None, :]
-            pos_RK = tl.load(pos_ptr + p[:, None] * K + kk[None, :], mask=pair, other=-1)
-            w_RK = tl.load(w_ptr + p[:, None] * K + kk[None, :], mask=pair, other=0.0)
-            dst = dst_rows + s.to(tl.int64)[:, None] * D
-            for c0 in tl.static_range(0, D, CHUNK):
-                c = c0 + cols
-                cmask = c < D
-                acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
-                for k in tl.static_range(K):
-                    pick = (kk == k)[None, :]
-                    pos = tl.sum(tl.where(pick, pos_RK, 0), axis=1)
-                    w = tl.sum(tl.where(pick, w_RK, 0.0), axis=1)
-                    y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + c[None, :],
-                                mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
-                    acc += w[:, None] * y.to(tl.float32)
-                tl.store(tl.multiple_of(dst + c[None, :], [1, 16]),
-                         acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
+            _reduce_rows(y_ptr, pos_ptr, w_ptr, r * C + s, s < count, dst_rows + s.to(tl.int64) * D,
+                         D, K, BLOCK_K, CHUNK, ROWS)
+    _signal(flag_peers, rank, R)
+
+
+@triton.jit
+def _combine_rows_kernel(y_ptr, pos_ptr, w_ptr, dst_ptr, p0, rows,
+                         D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                         ROWS: tl.constexpr):
+    """dst[i] = the reduced local results of received row p0 + i, i < rows (`_reduce_rows`); ROWS
+    rows per program step. No signal: the caller copies dst on and signals."""
+    pid = tl.program_id(0)
+    for first in range(pid * ROWS, rows, tl.num_programs(0) * ROWS):
+        i = first + tl.arange(0, ROWS)
+        _reduce_rows(y_ptr, pos_ptr, w_ptr, p0 + i, i < rows, dst_ptr + i.to(tl.int64) * D,
+                     D, K, BLOCK_K, CHUNK, ROWS)
+
+
+@triton.jit
+def _signal_kernel(flag_peers, rank, R: tl.constexpr):
+    """One program: one release signal per rank (flag[rank] on every rank r, this one included)."""
     _signal(flag_peers, rank, R)
 
 
 @triton.jit
 def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
                            R: tl.constexpr, C, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+                           ROWS: tl.constexpr):
     """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
-    ROWS tokens per program step."""
+    ROWS tokens per program step (the grid: however many programs T needs, compiled once)."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
-    for first in range(pid * ROWS, T, PROGRAMS * ROWS):
+    for first in range(pid * ROWS, T, tl.num_programs(0) * ROWS):
         t = first + tl.arange(0, ROWS)
         tmask = t < T
         t64 = t.to(tl.int64)
@@ -342,19 +433,45 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     tl.store(rows_ptr + pos, parity * R * C + p, mask=pair & valid)
 
 
-def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int,
-                 num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order), -1
-    when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank. Increments the epoch
-    seq_1 (int32 [1]) on the device. ids_TK: int32/int64 [T, K] global ids, -1 none. No host sync."""
+# number_pairs: tokens per program, and blocks per step of the prefix over earlier blocks
+NUMBER_BLOCK = 128
+NUMBER_STEP = 1024
+
+
+def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num_local_experts: int,
+                 pairs_peers_R: torch.Tensor, flag_peers_R: torch.Tensor, rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Number the (token, destination rank) pairs, advance the epoch, and tell every rank its sizes.
+
+    Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
+    -1 when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank; epoch_1 int32 [1]:
+    this call's epoch (seq_1 after its increment on the device). Stores (tokens, pairs) sent to rank r
+    into r's pairs buffer (int32 [2, R, 2], at [epoch % 2, rank]) and signals r's flag[rank]
+    (`pairs_peers_R` / `flag_peers_R`: address tables, int64 [R]). ids_TK: int32/int64 [T, K] global
+    ids, -1 none. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
     T, K = ids_TK.shape
     R = world_size
-    slot_TR = torch.empty(T, R, dtype=torch.int32, device=ids_TK.device)
-    counts_R = torch.empty(R, dtype=torch.int32, device=ids_TK.device)
+    dev = ids_TK.device
+    slot_TR = torch.empty(T, R, dtype=torch.int32, device=dev)
+    counts_R = torch.empty(R, dtype=torch.int32, device=dev)
+    epoch_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    NT = max(1, triton.cdiv(T, NUMBER_BLOCK))
+    table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
     BLOCK_R = triton.next_power_of_2(R)
-    _number_pairs_kernel[(1,)](ids_TK, slot_TR, counts_R, seq_1, T, R=R, K=K, L=num_local_experts,
-                               BLOCK_T=4096 // BLOCK_R, BLOCK_R=BLOCK_R, num_warps=8)
-    return slot_TR, counts_R
+    _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, T, NT, R=R, K=K, L=num_local_experts,
+                                BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
+    _number_fix_kernel[(NT,)](slot_TR, table_2TR, counts_R, seq_1, epoch_1, pairs_peers_R, flag_peers_R, T, NT, rank,
+                              R=R, BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
+    return slot_TR, counts_R, epoch_1
+
+
+def recv_sizes(pairs_2R2: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
+    """int32 [1 + R]: (token, slot) pairs this rank receives in epoch epoch_1, then the rows from each
+    rank, once every rank's `number_pairs` of that epoch has signalled (spins on the device)."""
+    R = flag_R.shape[0]
+    out = torch.empty(1 + R, dtype=torch.int32, device=flag_R.device)
+    _recv_sizes_kernel[(1,)](pairs_2R2, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
+    return out
 
 
 def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
@@ -403,6 +520,27 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
         PROGRAMS=launch.combine_programs, num_warps=launch.combine_warps)
 
 
+def combine_rows(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, first_row: int,
+                 dst_SD: torch.Tensor, launch: HtLaunch) -> None:
+    """dst_SD[i] = sum_k weights_PK[p, k] * y_ND[pos_PK[p, k]] (fp32, k ascending, pos -1: none) for
+    the received rows p = first_row + i, i < S; dst_SD: [S, D] contiguous, y's dtype. No signal."""
+    S, D = dst_SD.shape
+    if not S:
+        return
+    K = pos_PK.shape[1]
+    chunk, rows = combine_tiles(D)
+    programs = max(1, min(launch.combine_programs, triton.cdiv(S, rows)))
+    _combine_rows_kernel[(programs,)](y_ND, pos_PK, weights_PK, dst_SD, first_row, S, D=D, K=K,
+                                      BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+                                      num_warps=launch.combine_warps)
+
+
+def signal(flag_peers_R: torch.Tensor, rank: int) -> None:
+    """One release signal into flag[rank] of every rank (this one included), after the stream's
+    earlier work."""
+    _signal_kernel[(1,)](flag_peers_R, rank, R=flag_peers_R.shape[0], num_warps=1)
+
+
 def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
     """out_TD[t] = sum of the partial rows the ranks returned for token t (fp32), in comb's dtype."""
     _, R, C, D = comb_2RCD.shape
@@ -413,7 +551,7 @@ def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.
         programs = max(1, min(-(-T // rows), launch.reduce_programs))
         _combine_reduce_kernel[(programs,)](
             out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
-            ROWS=rows, PROGRAMS=programs, num_warps=launch.num_warps)
+            ROWS=rows, num_warps=launch.num_warps)
     return out_TD
 
 
