@@ -56,32 +56,23 @@ class Workspace:
         base_R: int64 [R] on the device: address of each rank's workspace.
     Methods:
         local(name): this rank's buffer as a tensor (shape and dtype of its spec).
-        peer(name, r): rank r's buffer as a tensor addressable from this rank.
         peers(name): int64 [R] on the device, each rank's address of buffer `name` (cast to a pointer in
             Triton: tl.load(table + r).to(tl.pointer_type(dtype))).
     """
 
-    def __init__(self, specs: list[BufferSpec], raws: list[torch.Tensor], rank: int) -> None:
+    def __init__(self, specs: list[BufferSpec], raw: torch.Tensor, bases: list[int], rank: int) -> None:
         self.specs = {s.name: s for s in specs}
         self._offsets, _ = _offsets(specs)
-        self._raws = raws  # every rank's allocation as a uint8 tensor this rank can address (its own kept alive)
-        self.rank, self.world_size = rank, len(raws)
-        self.base_R = torch.tensor([r.data_ptr() for r in raws], dtype=torch.int64, device=raws[rank].device)
+        self._raw = raw  # keeps this rank's allocation alive
+        self.rank, self.world_size = rank, len(bases)
+        self.base_R = torch.tensor(bases, dtype=torch.int64, device=raw.device)
         self._peers = {name: self.base_R + off for name, off in self._offsets.items()}
         # views made once: a dispatcher looks buffers up several times per call
-        self._views = [{name: self._view(raw, name) for name in self._offsets} for raw in raws]
-
-    def _view(self, raw: torch.Tensor, name: str) -> torch.Tensor:
-        spec, off = self.specs[name], self._offsets[name]
-        return raw[off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
+        self._local = {name: raw[off:off + self.specs[name].nbytes].view(self.specs[name].dtype)
+                       .view(self.specs[name].shape) for name, off in self._offsets.items()}
 
     def local(self, name: str) -> torch.Tensor:
-        return self._views[self.rank][name]
-
-    def peer(self, name: str, r: int) -> torch.Tensor:
-        """Rank r's buffer `name` as a tensor on this rank's device (for copies into it, e.g. by the
-        copy engine: `peer(name, r)[...].copy_(src)`)."""
-        return self._views[r][name]
+        return self._local[name]
 
     def peers(self, name: str) -> torch.Tensor:
         return self._peers[name]
@@ -100,9 +91,7 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     raw.zero_()
     handle = symm_mem.rendezvous(raw, group=group.group_name)
     dist.barrier(group=group)
-    rank = dist.get_rank(group)
-    raws = [raw if r == rank else handle.get_buffer(r, (total,), torch.uint8) for r in range(dist.get_world_size(group))]
-    ws = Workspace(specs, raws, rank)
+    ws = Workspace(specs, raw, list(handle.buffer_ptrs), dist.get_rank(group))
     ws.handle = handle
     return ws
 
@@ -138,7 +127,8 @@ class EmulatedGroup:
         if key not in table:
             _, total = _offsets(specs)
             raws = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
-            table[key] = [Workspace(specs, raws, r) for r in range(self.world_size)]
+            bases = [r.data_ptr() for r in raws]
+            table[key] = [Workspace(specs, raw, bases, r) for r, raw in enumerate(raws)]
         return table[key][self.rank]
 
 

@@ -73,20 +73,14 @@ def main() -> None:
         check(f"number_block K{K}", compile_hopper(
             k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", T="i32", NT="i32"),
             dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 4, 1), failures, False)
-        check(f"combine_rows D{D} K{K}", compile_hopper(
-            k._combine_rows_kernel,
-            dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", dst_ptr="*bf16", p0="i32", rows="i32"),
-            dict(D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows),
-            ["y_ptr", "pos_ptr", "w_ptr", "dst_ptr"], warps, 1), failures, big)
     check("number_fix", compile_hopper(
         k._number_fix_kernel,
         dict(slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32", pairs_peers="*i64",
              flag_peers="*i64", T="i32", NT="i32", rank="i32"),
         dict(R=2, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2, BLOCK_NT=k.NUMBER_STEP), ["slot_ptr", "table_ptr"], 4, 1),
         failures, False)
-    compile_hopper(k._recv_sizes_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),
+    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),
                    dict(R=2, BLOCK_R=2), [], 1, 1)
-    compile_hopper(k._signal_kernel, dict(flag_peers="*i64", rank="i32"), dict(R=2), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
     if failures:
         print("\n".join(failures))

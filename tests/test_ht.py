@@ -209,16 +209,6 @@ def test_combine_in_column_chunks(monkeypatch):
                                                for r, T in enumerate([5, 3])])
 
 
-def test_combine_copied_in_chunks(monkeypatch):
-    """The host-synced combine reduces each peer's rows into a staging buffer and copies them into the
-    peer's combine region 3 rows at a time (several copies per peer, the last one partial, at 3 ranks)."""
-    from epmoe.kernels import ht
-    cfg = _cfg(E=6, K=3, D=72, C=9)
-    monkeypatch.setattr(ht, "COPY_CHUNK_BYTES", 3 * cfg.row_bytes)
-    check_round_trip(cfg, make_world(cfg, 3), [exact_inputs(cfg, r, T, "random", seed=6, device=_EMU_DEVICE)
-                                               for r, T in enumerate([8, 5, 9])])
-
-
 @pytest.mark.parametrize("R,D,routing", [(2, 208, "holes"), (3, 128, "random")])
 def test_fp8_dispatch_matches_torch_quant(R, D, routing):
     cfg = _cfg(E=6, K=2, D=D, quant="fp8_block")
@@ -343,8 +333,8 @@ def test_layout_scan_matches_torch(monkeypatch):
                                             (450, 2, torch.int32)])
 def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     """The sender's slots (blocks of 64 tokens, the earlier blocks summed 8 at a time; ids -1 and out of
-    range) against a torch prefix sum; the sizes it stores into every rank's pairs buffer, signalled,
-    and what recv_sizes reads back there."""
+    range) against a torch prefix sum; the pairs it stores into every rank's pairs buffer, signalled,
+    and what recv_pairs sums there."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "NUMBER_BLOCK", 64)
     monkeypatch.setattr(ht, "NUMBER_STEP", 8)
@@ -352,23 +342,23 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(-1, R * L + 2, (T, K), generator=g).to(ids_dtype)  # R*L, R*L+1: out of range
     seq = torch.full((1,), 5, dtype=torch.int32, device=_EMU_DEVICE)
-    pairs = [torch.full((2, R, 2), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
+    pairs = [torch.full((2, R), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
     flags = [torch.zeros(R, dtype=torch.int64, device=_EMU_DEVICE) for _ in range(R)]
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=_EMU_DEVICE)  # noqa: E731
     slot_TR, counts_R, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), seq, R, L, table(pairs), table(flags), rank)
     assert seq.item() == 6 and epoch_1.item() == 6  # the epoch advanced
     dest = torch.where((ids >= 0) & (ids < R * L), ids.long() // L, R)
     wants_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_(1, dest, 1)[:, :R]
-    hits_R = torch.zeros(T, R + 1, dtype=torch.int32).scatter_add_(1, dest, torch.ones_like(dest, dtype=torch.int32))
+    hits_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_add_(1, dest, torch.ones_like(dest, dtype=torch.int32))
     want = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0) - 1, -1)
     assert torch.equal(slot_TR.cpu(), want.to(torch.int32))
     assert counts_R.cpu().tolist() == wants_TR.sum(0).tolist()
     for r in range(R):
-        assert pairs[r][0, rank].tolist() == [int(wants_TR[:, r].sum()), int(hits_R[:, r].sum())]  # parity 6 % 2
+        assert pairs[r][0, rank].item() == int(hits_TR[:, r].sum())  # parity 6 % 2
         assert pairs[r][1].eq(-7).all() and flags[r].tolist() == [int(i == rank) for i in range(R)]
     flags[0].fill_(6)  # as if every rank had signalled epoch 6
-    pairs[0][0, :, :] = torch.tensor([[3, 10 * i] for i in range(R)], dtype=torch.int32)
-    assert ht.recv_sizes(pairs[0], flags[0], epoch_1).tolist() == [10 * R * (R - 1) // 2] + [3] * R
+    pairs[0][0] = torch.arange(R, dtype=torch.int32) * 10
+    assert ht.recv_pairs(pairs[0], flags[0], epoch_1).tolist() == [10 * R * (R - 1) // 2]
 
 
 def test_float32_dtype():

@@ -42,11 +42,11 @@ from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetr
 
 @dataclass(frozen=True)
 class HtSizes:
-    """The receive sizes of one dispatch on their way to the host: `recv_sizes` on a side stream, then
-    a copy into pinned memory; `done` is recorded after it."""
+    """The batch size of one dispatch on its way to the host: `recv_pairs` on a side stream, then a
+    copy into pinned memory."""
 
-    host_1R: torch.Tensor  # pinned int32 [1 + R]: pairs received in all, rows from each rank
-    done: torch.cuda.Event
+    host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
+    done: torch.cuda.Event  # recorded after the copy
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,6 @@ class HtHandle:
     #   p = r * C + s with s >= recv_counts_R[r] are unset (never read)
     weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows (same validity)
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
-    recv_rows: tuple[int, ...] | None  # the same on the host (None when sync_free)
     num_tokens: int
 
 
@@ -146,12 +145,14 @@ class HtDispatcher(Dispatcher):
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
-        # host-synced mode: the copy engine takes the combine's rows to the peers (copies and the sizes
-        # request run on a side stream); a process group asks for the sizes while the rows travel
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # host-synced mode over a process group: the sizes are fetched on a side stream while the rows
+        # travel, into pinned slots used in turn (one per dispatch in flight, at most two)
         self._early_sizes = not self.sync_free and not isinstance(group, EmulatedGroup)
-        self._combine_calls = 0  # host twin of combine_seq, for the copy engine's target parity
-        self._combine_signals = self.launch.combine_programs if self.sync_free else 1  # per rank and call
+        if self._early_sizes:
+            self._side = torch.cuda.Stream(self.device)
+            self._sizes_slots = [HtSizes(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
+                                         done=torch.cuda.Event()) for _ in range(2)]
+            self._dispatch_calls = 0
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -165,7 +166,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("recv_ids", (2, R, C, K), torch.int32),
             BufferSpec("recv_w", (2, R, C, K), torch.float32),
             BufferSpec("recv_count", (2, R), torch.int32),
-            BufferSpec("pairs", (2, R, 2), torch.int32),  # (rows, pairs) each rank sends here, per parity
+            BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("pairs_flag", (R,), torch.int64),
@@ -251,23 +252,22 @@ class HtDispatcher(Dispatcher):
         """Start fetching this call's receive sizes on the side stream: they are known once every
         rank has numbered its pairs, long before the rows arrive, so the host's wait for them overlaps
         the transfer."""
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
+        slot = self._sizes_slots[self._dispatch_calls % 2]
+        self._dispatch_calls += 1
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
-            sizes = kernels.recv_sizes(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)
-            host_1R = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
-            host_1R.copy_(sizes, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._side)
+            n_1 = kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)
+            slot.host_1.copy_(n_1, non_blocking=True)
+            slot.done.record(self._side)
         epoch_1.record_stream(self._side)
-        return HtSizes(host_1R=host_1R, done=done)
+        return slot
 
-    def _sizes(self, pending: HtDispatchPending) -> list[int]:
-        """[pairs received in all, rows from rank 0, ..., rows from rank R-1] on the host (a sync)."""
+    def _received_pairs(self, pending: HtDispatchPending) -> int:
+        """The (row, slot) pairs this rank receives in all, on the host (a sync)."""
         if pending.sizes is None:  # emulated ranks: every rank's send has run by now
-            return kernels.recv_sizes(self.ws.local("pairs"), self.ws.local("pairs_flag"), pending.epoch_1).tolist()
+            return int(kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), pending.epoch_1)[0])
         pending.sizes.done.synchronize()
-        return pending.sizes.host_1R.tolist()
+        return int(pending.sizes.host_1[0])
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
@@ -293,14 +293,9 @@ class HtDispatcher(Dispatcher):
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL,
                                                           self.blocks, self.max_recv_rows)
         # everything above is queued before the host waits for the sizes (which arrive early)
-        recv_rows = None
-        if self.sync_free:
-            n = self.max_recv_rows
-        else:
-            n, *recv_rows = self._sizes(pending)  # host sync
-            recv_rows = tuple(recv_rows)
+        n = self.max_recv_rows if self.sync_free else self._received_pairs(pending)  # host sync unless sync_free
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
-                          recv_counts_R=recv_counts_R, recv_rows=recv_rows, num_tokens=pending.num_tokens)
+                          recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=counts_L, offsets_L1=offsets_L1, handle=handle, row_index_N=rows_N[:n])
 
@@ -308,52 +303,13 @@ class HtDispatcher(Dispatcher):
         h: HtHandle = batch.handle
         seq = self.ws.local("combine_seq")
         seq.add_(1)
-        if self.sync_free:
-            kernels.combine_send(y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, seq, self._peers["comb"],
-                                 self._peers["combine_flag"], self.rank, self.capacity, self.launch)
-        else:
-            self._combine_copied(y_ND, h)
+        kernels.combine_send(y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, seq, self._peers["comb"],
+                             self._peers["combine_flag"], self.rank, self.capacity, self.launch)
         return HtCombinePending(slot_TR=h.slot_TR, num_tokens=h.num_tokens)
-
-    def _combine_copied(self, y_ND: torch.Tensor, h: HtHandle) -> None:
-        """Combine send of the host-synced mode: the SMs reduce each peer's rows into a local staging
-        buffer, a chunk of rows at a time, and the copy engine (side stream) copies each chunk into that
-        peer's combine region while the SMs go on with the next one and then with this rank's own rows;
-        one signal per rank once all of it is done. The link then no longer waits for the gathers."""
-        R, C, rank = self.world_size, self.capacity, self.rank
-        self._combine_calls += 1
-        parity = self._combine_calls % 2  # = combine_seq % 2 on the device after this call's add
-        main = None if self._side is None else torch.cuda.current_stream(self.device)
-        peers = [(rank + i) % R for i in range(1, R)]
-        stage_SD = torch.empty(sum(h.recv_rows[r] for r in peers), y_ND.shape[1], dtype=y_ND.dtype,
-                               device=y_ND.device)
-        chunk = kernels.copy_chunk_rows(y_ND.shape[1] * y_ND.element_size())
-        at = 0
-        for r in peers:
-            dst_CD = self.ws.peer("comb", r)[parity, rank]
-            for s0 in range(0, h.recv_rows[r], chunk):
-                s1 = min(s0 + chunk, h.recv_rows[r])
-                kernels.combine_rows(y_ND, h.pos_PK, h.weights_PK, r * C + s0, stage_SD[at + s0:at + s1], self.launch)
-                self._on_side(main, lambda: dst_CD[s0:s1].copy_(stage_SD[at + s0:at + s1], non_blocking=True))
-            at += h.recv_rows[r]
-        kernels.combine_rows(y_ND, h.pos_PK, h.weights_PK, rank * C,
-                             self.ws.local("comb")[parity, rank, :h.recv_rows[rank]], self.launch)
-        self._on_side(main, lambda: kernels.signal(self._peers["combine_flag"], rank))
-        if main is not None:
-            main.wait_stream(self._side)  # the staging buffer and the next call's kernels wait for the copies
-
-    def _on_side(self, main: torch.cuda.Stream | None, work) -> None:
-        """Run `work` on the side stream after everything queued on `main` so far (inline on the CPU)."""
-        if main is None:
-            work()
-            return
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            work()
 
     def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
         seq = self.ws.local("combine_seq")
-        kernels.wait_flags(self.ws.local("combine_flag"), seq, self._combine_signals)
+        kernels.wait_flags(self.ws.local("combine_flag"), seq, self.launch.combine_programs)
         return kernels.combine_reduce(self.ws.local("comb"), pending.slot_TR, seq, self.launch)
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:

@@ -67,15 +67,6 @@ def combine_tiles(hidden: int) -> tuple[int, int]:
     return chunk, max(1, COMBINE_STEP // chunk)
 
 
-# host-synced combine: bytes of rows per copy-engine copy (the SMs reduce the next chunk meanwhile)
-COPY_CHUNK_BYTES = 16 << 20
-
-
-def copy_chunk_rows(row_bytes: int) -> int:
-    """Rows per copy of the host-synced combine: about COPY_CHUNK_BYTES."""
-    return max(1, COPY_CHUNK_BYTES // row_bytes)
-
-
 @dataclass(frozen=True)
 class LayoutBlocks:
     """Blocking of the layout kernels: a program takes block_s received rows x block_k slots (pairs)."""
@@ -137,8 +128,8 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs
                        R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
     """Program b adds the tokens that earlier blocks sent to each rank to its block's slots. Program 0
     also writes count[r] = tokens sent to r, advances the epoch (seq += 1, epoch[0] = the new value)
-    and stores (tokens, pairs) sent to r into rank r's pairs[parity, rank] with one release signal
-    per rank (flag[rank] on r), for the receiver's early, host-side sizes (`recv_sizes`)."""
+    and stores the (token, slot) pairs sent to r into rank r's pairs[parity, rank] with one release
+    signal per rank (flag[rank] on r), so that receivers can size their batch early (`recv_pairs`)."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -153,7 +144,7 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs
     slot = tl.load(at, mask=tmask, other=-1)
     tl.store(at, tl.where(slot >= 0, slot + base[None, :], -1), mask=tmask)
     if b == 0:
-        rows = tl.zeros([BLOCK_R], dtype=tl.int32)
+        rows = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens
         pairs = tl.zeros([BLOCK_R], dtype=tl.int32)
         for b0 in range(0, NT, BLOCK_NT):
             bb = b0 + tl.arange(0, BLOCK_NT)
@@ -166,16 +157,14 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs
         tl.store(epoch_ptr, epoch)
         parity = epoch % 2
         for r in tl.static_range(R):
-            dst = _peer(pairs_peers, r, tl.int32) + (parity * R + rank) * 2
-            tl.store(dst, tl.sum(tl.where(rr == r, rows, 0), axis=0))
-            tl.store(dst + 1, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+            tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
         _signal(flag_peers, rank, R)
 
 
 @triton.jit
-def _recv_sizes_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
-    system scope), then out[0] = (token, slot) pairs received in all, out[1 + r] = rows from rank r."""
+    system scope), then out[0] = the (token, slot) pairs received from all ranks."""
     epoch = tl.load(epoch_ptr)
     for r in tl.static_range(R):
         seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
@@ -183,9 +172,8 @@ def _recv_sizes_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr,
             seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
-    at = pairs_ptr + ((epoch % 2) * R + rr) * 2
-    tl.store(out_ptr + 1 + rr, tl.load(at, mask=rmask, other=0, volatile=True), mask=rmask)
-    tl.store(out_ptr, tl.sum(tl.load(at + 1, mask=rmask, other=0, volatile=True), axis=0))
+    pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
+    tl.store(out_ptr, tl.sum(pairs, axis=0))
 
 
 @triton.jit
@@ -298,25 +286,6 @@ def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, 
             s = first + tl.arange(0, ROWS)
             _reduce_rows(y_ptr, pos_ptr, w_ptr, r * C + s, s < count, dst_rows + s.to(tl.int64) * D,
                          D, K, BLOCK_K, CHUNK, ROWS)
-    _signal(flag_peers, rank, R)
-
-
-@triton.jit
-def _combine_rows_kernel(y_ptr, pos_ptr, w_ptr, dst_ptr, p0, rows,
-                         D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                         ROWS: tl.constexpr):
-    """dst[i] = the reduced local results of received row p0 + i, i < rows (`_reduce_rows`); ROWS
-    rows per program step. No signal: the caller copies dst on and signals."""
-    pid = tl.program_id(0)
-    for first in range(pid * ROWS, rows, tl.num_programs(0) * ROWS):
-        i = first + tl.arange(0, ROWS)
-        _reduce_rows(y_ptr, pos_ptr, w_ptr, p0 + i, i < rows, dst_ptr + i.to(tl.int64) * D,
-                     D, K, BLOCK_K, CHUNK, ROWS)
-
-
-@triton.jit
-def _signal_kernel(flag_peers, rank, R: tl.constexpr):
-    """One program: one release signal per rank (flag[rank] on every rank r, this one included)."""
     _signal(flag_peers, rank, R)
 
 
@@ -445,8 +414,8 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
     -1 when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank; epoch_1 int32 [1]:
-    this call's epoch (seq_1 after its increment on the device). Stores (tokens, pairs) sent to rank r
-    into r's pairs buffer (int32 [2, R, 2], at [epoch % 2, rank]) and signals r's flag[rank]
+    this call's epoch (seq_1 after its increment on the device). Stores the (token, slot) pairs sent to
+    rank r into r's pairs buffer (int32 [2, R], at [epoch % 2, rank]) and signals r's flag[rank]
     (`pairs_peers_R` / `flag_peers_R`: address tables, int64 [R]). ids_TK: int32/int64 [T, K] global
     ids, -1 none. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
     T, K = ids_TK.shape
@@ -465,12 +434,12 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num
     return slot_TR, counts_R, epoch_1
 
 
-def recv_sizes(pairs_2R2: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
-    """int32 [1 + R]: (token, slot) pairs this rank receives in epoch epoch_1, then the rows from each
-    rank, once every rank's `number_pairs` of that epoch has signalled (spins on the device)."""
+def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
+    """int32 [1]: the (token, slot) pairs this rank receives in epoch epoch_1 from all ranks, once every
+    rank's `number_pairs` of that epoch has signalled (spins on the device until then)."""
     R = flag_R.shape[0]
-    out = torch.empty(1 + R, dtype=torch.int32, device=flag_R.device)
-    _recv_sizes_kernel[(1,)](pairs_2R2, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
+    out = torch.empty(1, dtype=torch.int32, device=flag_R.device)
+    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
     return out
 
 
@@ -518,27 +487,6 @@ def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Ten
         y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
         R=R, C=capacity, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
         PROGRAMS=launch.combine_programs, num_warps=launch.combine_warps)
-
-
-def combine_rows(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, first_row: int,
-                 dst_SD: torch.Tensor, launch: HtLaunch) -> None:
-    """dst_SD[i] = sum_k weights_PK[p, k] * y_ND[pos_PK[p, k]] (fp32, k ascending, pos -1: none) for
-    the received rows p = first_row + i, i < S; dst_SD: [S, D] contiguous, y's dtype. No signal."""
-    S, D = dst_SD.shape
-    if not S:
-        return
-    K = pos_PK.shape[1]
-    chunk, rows = combine_tiles(D)
-    programs = max(1, min(launch.combine_programs, triton.cdiv(S, rows)))
-    _combine_rows_kernel[(programs,)](y_ND, pos_PK, weights_PK, dst_SD, first_row, S, D=D, K=K,
-                                      BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-                                      num_warps=launch.combine_warps)
-
-
-def signal(flag_peers_R: torch.Tensor, rank: int) -> None:
-    """One release signal into flag[rank] of every rank (this one included), after the stream's
-    earlier work."""
-    _signal_kernel[(1,)](flag_peers_R, rank, R=flag_peers_R.shape[0], num_warps=1)
 
 
 def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
