@@ -25,7 +25,7 @@ def check(tag, kernel, failures, vector):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=SMS, combine_warps=8, reduce_programs=4 * SMS)
+    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=4 * SMS, combine_warps=4, reduce_programs=4 * SMS)
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
@@ -33,19 +33,23 @@ def main() -> None:
             dt = "fp8e4nv" if fp8 else "bf16"
             check(f"dispatch_send D{D} {dt}", compile_hopper(
                 k._dispatch_send_kernel,
-                dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
-                     recv_x_peers="*i64", recv_scale_peers="*i64", recv_ids_peers="*i64", recv_w_peers="*i64",
-                     recv_count_peers="*i64", flag_peers="*i64", T="i32", rank="i32", C="i32"),
-                dict(R=2, D=D, K=K, L=L, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G),
-                     BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D), PROGRAMS=SMS),
-                ["x_ptr", "ids_ptr", "w_ptr", "slot_ptr"], warps, 1), failures, big)
+                dict(x_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", recv_x_peers="*i64", recv_scale_peers="*i64",
+                     flag_peers="*i64", T="i32", rank="i32", C="i32"),
+                dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
+                ["x_ptr", "slot_ptr"], warps, 1), failures, big)
+        check(f"meta_send K{K}", compile_hopper(
+            k._meta_send_kernel,
+            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", epoch_ptr="*i32", recv_ids_peers="*i64",
+                 recv_w_peers="*i64", flag_peers="*i64", T="i32", rank="i32", C="i32"),
+            dict(R=2, K=K, L=L, BLOCK_T=k.META_BLOCK, BLOCK_K=triton.next_power_of_2(K), PROGRAMS=k.META_PROGRAMS),
+            ["ids_ptr", "w_ptr", "slot_ptr"], 4, 1), failures, False)
         chunk, rows = k.combine_tiles(D)
         check(f"combine_send D{D} K{K}", compile_hopper(
             k._combine_send_kernel,
             dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", comb_peers="*i64",
                  flag_peers="*i64", rank="i32", C="i32"),
-            dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, PROGRAMS=SMS),
-            ["y_ptr", "pos_ptr", "w_ptr"], warps, 1), failures, big)
+            dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+                 PROGRAMS=launch.combine_programs), ["y_ptr", "pos_ptr", "w_ptr"], launch.combine_warps, 1), failures, big)
         check(f"combine_reduce D{D}", compile_hopper(
             k._combine_reduce_kernel,
             dict(out_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", comb_ptr="*bf16", T="i32", C="i32"),
@@ -75,8 +79,8 @@ def main() -> None:
             dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 4, 1), failures, False)
     check("number_fix", compile_hopper(
         k._number_fix_kernel,
-        dict(slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32", pairs_peers="*i64",
-             flag_peers="*i64", T="i32", NT="i32", rank="i32"),
+        dict(slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32",
+             recv_count_peers="*i64", pairs_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32"),
         dict(R=2, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2, BLOCK_NT=k.NUMBER_STEP), ["slot_ptr", "table_ptr"], 4, 1),
         failures, False)
     compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),

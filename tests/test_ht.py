@@ -333,8 +333,8 @@ def test_layout_scan_matches_torch(monkeypatch):
                                             (450, 2, torch.int32)])
 def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     """The sender's slots (blocks of 64 tokens, the earlier blocks summed 8 at a time; ids -1 and out of
-    range) against a torch prefix sum; the pairs it stores into every rank's pairs buffer, signalled,
-    and what recv_pairs sums there."""
+    range) against a torch prefix sum; the tokens and pairs it stores into every rank's recv_count and
+    pairs buffers, signalled, and what recv_pairs sums there."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "NUMBER_BLOCK", 64)
     monkeypatch.setattr(ht, "NUMBER_STEP", 8)
@@ -343,9 +343,11 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     ids = torch.randint(-1, R * L + 2, (T, K), generator=g).to(ids_dtype)  # R*L, R*L+1: out of range
     seq = torch.full((1,), 5, dtype=torch.int32, device=_EMU_DEVICE)
     pairs = [torch.full((2, R), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
+    recv_count = [torch.full((2, R), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
     flags = [torch.zeros(R, dtype=torch.int64, device=_EMU_DEVICE) for _ in range(R)]
     table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=_EMU_DEVICE)  # noqa: E731
-    slot_TR, counts_R, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), seq, R, L, table(pairs), table(flags), rank)
+    peers = {"pairs": table(pairs), "recv_count": table(recv_count), "pairs_flag": table(flags)}
+    slot_TR, counts_R, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), seq, R, L, peers, rank)
     assert seq.item() == 6 and epoch_1.item() == 6  # the epoch advanced
     dest = torch.where((ids >= 0) & (ids < R * L), ids.long() // L, R)
     wants_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_(1, dest, 1)[:, :R]
@@ -353,9 +355,11 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     want = torch.where(wants_TR > 0, torch.cumsum(wants_TR, 0) - 1, -1)
     assert torch.equal(slot_TR.cpu(), want.to(torch.int32))
     assert counts_R.cpu().tolist() == wants_TR.sum(0).tolist()
-    for r in range(R):
-        assert pairs[r][0, rank].item() == int(hits_TR[:, r].sum())  # parity 6 % 2
-        assert pairs[r][1].eq(-7).all() and flags[r].tolist() == [int(i == rank) for i in range(R)]
+    for r in range(R):  # parity 6 % 2 = 0 at [0, rank]; the other parity untouched
+        assert pairs[r][0, rank].item() == int(hits_TR[:, r].sum())
+        assert recv_count[r][0, rank].item() == int(wants_TR[:, r].sum())
+        assert pairs[r][1].eq(-7).all() and recv_count[r][1].eq(-7).all()
+        assert flags[r].tolist() == [int(i == rank) for i in range(R)]
     flags[0].fill_(6)  # as if every rank had signalled epoch 6
     pairs[0][0] = torch.arange(R, dtype=torch.int32) * 10
     assert ht.recv_pairs(pairs[0], flags[0], epoch_1).tolist() == [10 * R * (R - 1) // 2]

@@ -1,21 +1,25 @@
 """`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
 
-Dispatch: the sender numbers its (token, destination rank) pairs with a device prefix sum (one kernel), and one
-Triton kernel stores each row once per destination rank (fp8-quantized on the way when
-cfg.quant == "fp8_block") straight into that rank's receive region, with the token's destination-local
-ids and weights, then the row counts and a release signal. The receiver waits for every rank's signal
-on the device and sorts the received (row, local expert) pairs by expert, with work proportional to
-the pairs received (not to the capacity C): the batch is a row index into the receive buffer
-(ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows through the
-index (experts that do not get a materialized copy, see Experts.reads_row_index).
+Dispatch, on the sender: two kernels number its (token, destination rank) pairs with a device prefix
+sum and store into every destination the tokens and (token, slot) pairs it will get, with a signal; a
+small kernel stores each token's destination-local ids and weights into each destination's receive
+region, with a signal; then one Triton kernel stores each row once per destination rank
+(fp8-quantized on the way when cfg.quant == "fp8_block") straight into that rank's receive region, and
+signals. On the receiver (host-synced mode, process group), a side stream waits for the first two
+signals and, while the rows still travel, copies the batch size to the host and sorts the received
+(row, local expert) pairs by expert, with work proportional to the pairs received (not to the
+capacity C); the batch is a row index into the receive buffer (ExpertBatch.row_index_N), so no row is
+copied again: the `triton` experts read rows through the index (experts that do not get a materialized
+copy, see Experts.reads_row_index). The stream waits for the rows' signals and the layout.
 Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
 (token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
 
 Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
-    recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count int32 [2, R],
-    comb [2, R, C, D] cfg.dtype, dispatch_flag / combine_flag int64 [R] (monotonic, one add per sending
-    program and call), dispatch_seq / combine_seq int32 [1] (epochs, incremented on the device).
+    recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs int32 [2, R] (tokens and
+    pairs from each rank), comb [2, R, C, D] cfg.dtype, pairs_flag / meta_flag / dispatch_flag /
+    combine_flag int64 [R] (monotonic, one add per sending program and call), dispatch_seq / combine_seq
+    int32 [1] (epochs, incremented on the device).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
 n+2 comes after its combine n, which waited for every peer's combine send n, which each peer issued
 after running its experts on call n (the last reads of the region of call n, through the row index).
@@ -29,6 +33,7 @@ Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +46,27 @@ from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetr
 
 
 @dataclass(frozen=True)
-class HtSizes:
-    """The batch size of one dispatch on its way to the host: `recv_pairs` on a side stream, then a
-    copy into pinned memory."""
+class HtLayout:
+    """The expert-sorted layout of one dispatch's batch (device tensors)."""
+
+    counts_L: torch.Tensor  # int32 [L]: rows of each local expert
+    offsets_L1: torch.Tensor  # int32 [L+1]: their exclusive prefix sum
+    pos_PK: torch.Tensor  # int32 [P, K]: batch row of each received (row, slot) pair, -1 none
+    weights_PK: torch.Tensor  # float32 [P, K]: their top-k weights
+    rows_N: torch.Tensor  # int32 [R*C*K]: each batch row's row in recv_x viewed as [2 * R * C, D]
+    recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
+
+
+@dataclass(frozen=True)
+class HtEarly:
+    """What a dispatch starts on the side stream while its rows travel (host-synced mode over a process
+    group): the batch size, copied to pinned memory, and the layout. The pinned slot and the events
+    are made once and used in turn (one per dispatch in flight, at most two)."""
 
     host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
-    done: torch.cuda.Event  # recorded after the copy
+    sized: torch.cuda.Event  # recorded after the copy to host_1
+    laid_out: torch.cuda.Event  # recorded after the layout kernels
+    layout: HtLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,7 @@ class HtDispatchPending:
 
     slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
     epoch_1: torch.Tensor  # int32 [1]: the call's epoch
-    sizes: HtSizes | None  # requested early (process groups, host-synced mode), else fetched at receive
+    early: HtEarly | None  # started in dispatch_send (process groups, host-synced mode)
     num_tokens: int
 
 
@@ -145,13 +165,13 @@ class HtDispatcher(Dispatcher):
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
-        # host-synced mode over a process group: the sizes are fetched on a side stream while the rows
-        # travel, into pinned slots used in turn (one per dispatch in flight, at most two)
-        self._early_sizes = not self.sync_free and not isinstance(group, EmulatedGroup)
-        if self._early_sizes:
+        # host-synced mode over a process group: the batch size and layout are made on a side stream
+        # while the rows travel (HtEarly)
+        self._early = not self.sync_free and not isinstance(group, EmulatedGroup)
+        if self._early:
             self._side = torch.cuda.Stream(self.device)
-            self._sizes_slots = [HtSizes(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
-                                         done=torch.cuda.Event()) for _ in range(2)]
+            self._early_slots = [HtEarly(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
+                                         sized=torch.cuda.Event(), laid_out=torch.cuda.Event()) for _ in range(2)]
             self._dispatch_calls = 0
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
@@ -170,6 +190,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("pairs_flag", (R,), torch.int64),
+            BufferSpec("meta_flag", (R,), torch.int64),
             BufferSpec("combine_flag", (R,), torch.int64),
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
@@ -239,65 +260,76 @@ class HtDispatcher(Dispatcher):
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
-        # slots, counts, this call's epoch (seq + 1, on the device: graph-replayable), and the sizes
-        # every destination receives (stored there)
-        slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, seq, R, L, self._peers["pairs"],
-                                                          self._peers["pairs_flag"], self.rank)
-        sizes = self._request_sizes(epoch_1) if self._early_sizes else None
-        kernels.dispatch_send(x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq, self._peers, self.rank,
-                              self.capacity, L, self.fp8, self.launch)
-        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, sizes=sizes, num_tokens=T)
+        # slots, counts, this call's epoch (seq + 1, on the device: graph-replayable), and the tokens and
+        # pairs every destination receives (stored there); then the ids and weights, then the rows
+        slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, seq, R, L, self._peers, self.rank)
+        kernels.meta_send(ids_TK, weights_TK, slot_TR, epoch_1, self._peers, self.rank, self.capacity, L)
+        early = self._start_early(epoch_1) if self._early else None
+        kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
+        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
-    def _request_sizes(self, epoch_1: torch.Tensor) -> HtSizes:
-        """Start fetching this call's receive sizes on the side stream: they are known once every
-        rank has numbered its pairs, long before the rows arrive, so the host's wait for them overlaps
-        the transfer."""
-        slot = self._sizes_slots[self._dispatch_calls % 2]
+    def _start_early(self, epoch_1: torch.Tensor) -> HtEarly:
+        """On the side stream, while the rows travel: the batch size, copied to the host (known once
+        every rank has numbered its pairs), and the batch's layout (once the ids have arrived)."""
+        slot = self._early_slots[self._dispatch_calls % 2]
         self._dispatch_calls += 1
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             n_1 = kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)
             slot.host_1.copy_(n_1, non_blocking=True)
-            slot.done.record(self._side)
+            slot.sized.record(self._side)
+            layout = self._layout(epoch_1)
+            slot.laid_out.record(self._side)
         epoch_1.record_stream(self._side)
-        return slot
+        return dataclasses.replace(slot, layout=layout)
 
-    def _received_pairs(self, pending: HtDispatchPending) -> int:
-        """The (row, slot) pairs this rank receives in all, on the host (a sync)."""
-        if pending.sizes is None:  # emulated ranks: every rank's send has run by now
-            return int(kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), pending.epoch_1)[0])
-        pending.sizes.done.synchronize()
-        return int(pending.sizes.host_1[0])
+    def _layout(self, epoch_1: torch.Tensor) -> HtLayout:
+        """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
+        (waits on the device). Work proportional to the pairs received: a count and a place kernel over
+        blocks of received rows, with a scan of the [B, L] table of per-block counts between them (one
+        program per few experts); no row is read."""
+        L = self.num_local_experts
+        recv_count = self.ws.local("recv_count")
+        recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
+        kernels.wait_flags(self.ws.local("pairs_flag"), epoch_1, 1)
+        kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, kernels.META_PROGRAMS)
+        table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
+        counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
+        pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
+                                                          self.blocks, self.max_recv_rows)
+        return HtLayout(counts_L=counts_L, offsets_L1=offsets_L1, pos_PK=pos_PK, weights_PK=weights_PK,
+                        rows_N=rows_N, recv_counts_R=recv_counts_R)
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
         return self._expert_batch(pending)
 
     def _dispatch_wait(self) -> None:
+        """Block the stream until every rank's rows of the latest epoch are here."""
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs)
 
     def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
-        index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]).
-
-        Work proportional to the pairs received: a count and a place kernel over blocks of received
-        rows, with a scan of the [B, L] table of per-block counts between them (one program per few
-        experts; four launches in all, the host waits for them); no row is copied.
-        """
-        L = self.num_local_experts
-        seq = self.ws.local("dispatch_seq")
-        recv_count = self.ws.local("recv_count")
-        recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        table_BL = kernels.layout_count(recv_ids, recv_count, seq, self.blocks, L)
-        counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, seq)
-        pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, seq, start_BL,
-                                                          self.blocks, self.max_recv_rows)
-        # everything above is queued before the host waits for the sizes (which arrive early)
-        n = self.max_recv_rows if self.sync_free else self._received_pairs(pending)  # host sync unless sync_free
-        handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=pos_PK, weights_PK=weights_PK,
-                          recv_counts_R=recv_counts_R, num_tokens=pending.num_tokens)
+        index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
+        copied. The layout was started early on the side stream (process groups, host-synced mode),
+        else it is made now; the host then reads the batch size (unless sync_free)."""
+        early = pending.early
+        if early is None:
+            lay = self._layout(pending.epoch_1)
+            if self.sync_free:
+                n = self.max_recv_rows
+            else:  # emulated ranks: every rank's send has run by now
+                n = int(kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), pending.epoch_1)[0])
+        else:
+            lay = early.layout
+            torch.cuda.current_stream(self.device).wait_event(early.laid_out)
+            early.sized.synchronize()  # host sync
+            n = int(early.host_1[0])
+        handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
+                          recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
-                           counts_L=counts_L, offsets_L1=offsets_L1, handle=handle, row_index_N=rows_N[:n])
+                           counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
+                           row_index_N=lay.rows_N[:n])
 
     def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
         h: HtHandle = batch.handle

@@ -46,19 +46,22 @@ class HtLaunch:
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
-    """Pure function of the row size and the device: one send program per SM on a GPU (peer stores
-    measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66), four programs of
-    the final combine sum per SM; a few programs under the CPU interpreter."""
+    """Pure function of the row size and the device: one dispatch send program per SM on a GPU (peer
+    stores measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66); four combine
+    send programs of 4 warps per SM (as many as fit, for the gathers of expert rows: 240 us per
+    4096-token bf16 combine on 2 H200s against 346-360 with one program of 8 warps, scripts/ht_probe.py,
+    2026-11-30); four programs of the final combine sum per SM; a few programs under the interpreter."""
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, reduce_programs=2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=sms, num_warps=warps, combine_programs=sms, combine_warps=warps, reduce_programs=4 * sms)
+    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, reduce_programs=4 * sms)
 
 
-# combine send: columns per gathered load, and elements (rows x columns) per program step
+# combine send: columns per gathered load, and elements (rows x columns) per program step (114
+# registers a thread at D 7168, K 8, 4 warps: four programs fit on an SM)
 COMBINE_CHUNK = 1024
-COMBINE_STEP = 4096
+COMBINE_STEP = 2048
 
 
 def combine_tiles(hidden: int) -> tuple[int, int]:
@@ -124,12 +127,14 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, T, NT,
 
 
 @triton.jit
-def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs_peers, flag_peers, T, NT, rank,
+def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, recv_count_peers, pairs_peers, flag_peers,
+                       T, NT, rank,
                        R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
     """Program b adds the tokens that earlier blocks sent to each rank to its block's slots. Program 0
     also writes count[r] = tokens sent to r, advances the epoch (seq += 1, epoch[0] = the new value)
-    and stores the (token, slot) pairs sent to r into rank r's pairs[parity, rank] with one release
-    signal per rank (flag[rank] on r), so that receivers can size their batch early (`recv_pairs`)."""
+    and stores the tokens and the (token, slot) pairs sent to r into rank r's recv_count[parity, rank]
+    and pairs[parity, rank], with one release signal per rank (flag[rank] on r): receivers size their
+    batch (`recv_pairs`) and start its layout before the rows arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -157,6 +162,7 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, pairs
         tl.store(epoch_ptr, epoch)
         parity = epoch % 2
         for r in tl.static_range(R):
+            tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, rows, 0), axis=0))
             tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
         _signal(flag_peers, rank, R)
 
@@ -177,22 +183,17 @@ def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr,
 
 
 @triton.jit
-def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
-                          recv_x_peers, recv_scale_peers, recv_ids_peers, recv_w_peers, recv_count_peers,
-                          flag_peers, T, rank,
-                          R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr,
-                          L: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_peers, flag_peers, T, rank,
+                          R: tl.constexpr, C, D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
+                          BLOCK_G: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
     """Each program takes ROWS tokens at a time (tokens pid*ROWS.., then + PROGRAMS*ROWS, ...), all
-    loaded before any store; stores each row (fp8-quantized when FP8) once into every destination
-    rank's receive region at the token's slot there, with its K destination-local ids (-1 for other
-    ranks' experts) and weights; then the counts and one signal per peer."""
+    loaded before any store; stores each row (fp8-quantized when FP8, with its scales) once into every
+    destination rank's receive region at the token's slot there; then one signal per peer."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     BLOCK: tl.constexpr = 128
     # a step as [ROWS, BLOCK_G, 128]: group g of a row holds columns [128 g, 128 g + 128)
     cols = tl.arange(0, BLOCK_G)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    kk = tl.arange(0, BLOCK_K)
     gg = tl.arange(0, BLOCK_G)
     for first in range(pid * ROWS, T, PROGRAMS * ROWS):
         t = first + tl.arange(0, ROWS)
@@ -209,9 +210,6 @@ def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
             row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
             row_out = row
-        kmask = tmask[:, None] & (kk < K)[None, :]
-        ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
-        w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
         for r in tl.static_range(R):
             slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
             sent = slot >= 0
@@ -221,13 +219,34 @@ def _dispatch_send_kernel(x_ptr, ids_ptr, w_ptr, slot_ptr, count_ptr, seq_ptr,
             if FP8:
                 tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at[:, None] * G + gg[None, :], scale,
                          mask=sent[:, None] & (gg < G)[None, :])
+    _signal(flag_peers, rank, R)
+
+
+@triton.jit
+def _meta_send_kernel(ids_ptr, w_ptr, slot_ptr, epoch_ptr, recv_ids_peers, recv_w_peers, flag_peers, T, rank,
+                      R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Before the rows: each token's K destination-local ids (-1 for other ranks' experts) and weights
+    into every destination rank's receive region at the token's slot there, BLOCK_T tokens a step;
+    then one signal per peer (the receiver's layout starts on these while the rows travel)."""
+    pid = tl.program_id(0)
+    parity = tl.load(epoch_ptr) % 2
+    kk = tl.arange(0, BLOCK_K)
+    for first in range(pid * BLOCK_T, T, PROGRAMS * BLOCK_T):
+        t = first + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        kmask = tmask[:, None] & (kk < K)[None, :]
+        ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+        w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
+        for r in tl.static_range(R):
+            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
+            row_at = ((parity * R + rank) * C + tl.maximum(slot, 0)).to(tl.int64)
             lid = ids - r * L
             lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
-            smask = kmask & sent[:, None]
+            smask = kmask & (slot >= 0)[:, None]
             tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
             tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
-    for r in tl.static_range(R):
-        tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.load(count_ptr + r))
     _signal(flag_peers, rank, R)
 
 
@@ -408,16 +427,16 @@ NUMBER_STEP = 1024
 
 
 def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num_local_experts: int,
-                 pairs_peers_R: torch.Tensor, flag_peers_R: torch.Tensor, rank: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 peers: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Number the (token, destination rank) pairs, advance the epoch, and tell every rank its sizes.
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
     -1 when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank; epoch_1 int32 [1]:
-    this call's epoch (seq_1 after its increment on the device). Stores the (token, slot) pairs sent to
-    rank r into r's pairs buffer (int32 [2, R], at [epoch % 2, rank]) and signals r's flag[rank]
-    (`pairs_peers_R` / `flag_peers_R`: address tables, int64 [R]). ids_TK: int32/int64 [T, K] global
-    ids, -1 none. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
+    this call's epoch (seq_1 after its increment on the device). Stores the tokens and the (token,
+    slot) pairs sent to rank r into r's "recv_count" and "pairs" buffers (int32 [2, R], at [epoch % 2,
+    rank]) and signals r's "pairs_flag"[rank] (peers: address tables, int64 [R], of those buffers).
+    ids_TK: int32/int64 [T, K] global ids, -1 none. Two kernels (T / NUMBER_BLOCK programs each), no
+    host sync."""
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
@@ -429,8 +448,8 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num
     BLOCK_R = triton.next_power_of_2(R)
     _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, T, NT, R=R, K=K, L=num_local_experts,
                                 BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
-    _number_fix_kernel[(NT,)](slot_TR, table_2TR, counts_R, seq_1, epoch_1, pairs_peers_R, flag_peers_R, T, NT, rank,
-                              R=R, BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
+    _number_fix_kernel[(NT,)](slot_TR, table_2TR, counts_R, seq_1, epoch_1, peers["recv_count"], peers["pairs"],
+                              peers["pairs_flag"], T, NT, rank, R=R, BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
     return slot_TR, counts_R, epoch_1
 
 
@@ -443,27 +462,42 @@ def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tens
     return out
 
 
-def dispatch_send(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor,
-                  counts_R: torch.Tensor, seq_1: torch.Tensor, peers: dict[str, torch.Tensor], rank: int,
-                  capacity: int, num_local_experts: int, fp8: bool, launch: HtLaunch) -> None:
+# meta send: tokens per step, programs
+META_BLOCK = 64
+META_PROGRAMS = 16
+
+
+def meta_send(ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor, epoch_1: torch.Tensor,
+              peers: dict[str, torch.Tensor], rank: int, capacity: int, num_local_experts: int) -> None:
+    """Store every token's destination-local ids and weights into each destination rank's receive
+    region (before the rows, so that receivers can lay the batch out while the rows travel), then
+    META_PROGRAMS signals per rank into "meta_flag".
+
+    ids_TK int32/int64 [T, K] global ids (-1 none); weights_TK float32 [T, K]; slot_TR: int32 [T, R],
+    the token's row at rank r (-1: not sent there); epoch_1: int32 [1] this call's epoch; peers:
+    address tables (int64 [R]) of "recv_ids", "recv_w", "meta_flag".
+    """
+    T, K = ids_TK.shape
+    _meta_send_kernel[(META_PROGRAMS,)](
+        ids_TK, weights_TK, slot_TR, epoch_1, peers["recv_ids"], peers["recv_w"], peers["meta_flag"], T, rank,
+        R=slot_TR.shape[1], C=capacity, K=K, L=num_local_experts, BLOCK_T=META_BLOCK,
+        BLOCK_K=triton.next_power_of_2(K), PROGRAMS=META_PROGRAMS, num_warps=4)
+
+
+def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, peers: dict[str, torch.Tensor],
+                  rank: int, capacity: int, fp8: bool, launch: HtLaunch) -> None:
     """Store every token's row once into each destination rank's receive region and signal.
 
-    x_TD: [T, D] cfg.dtype; ids_TK int32/int64 [T, K] global ids (-1 none); weights_TK float32 [T, K];
-    slot_TR: int32 [T, R], the token's row at rank r (-1: not sent there); counts_R: int32 [R] rows
-    per destination; seq_1: int32 [1] this call's epoch (already incremented); peers: address tables
-    (int64 [R]) of "recv_x", "recv_scale" (fp8), "recv_ids", "recv_w", "recv_count", "dispatch_flag".
+    x_TD: [T, D] cfg.dtype; slot_TR: int32 [T, R], the token's row at rank r (-1: not sent there);
+    seq_1: int32 [1] this call's epoch (already incremented); peers: address tables (int64 [R]) of
+    "recv_x", "recv_scale" (fp8), "dispatch_flag".
     """
     T, D = x_TD.shape
-    K = ids_TK.shape[1]
-    R = slot_TR.shape[1]
     G = -(-D // FP8_BLOCK)
     _dispatch_send_kernel[(launch.programs,)](
-        x_TD, ids_TK, weights_TK, slot_TR, counts_R, seq_1,
-        peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"], peers["recv_ids"], peers["recv_w"],
-        peers["recv_count"], peers["dispatch_flag"], T, rank,
-        R=R, C=capacity, D=D, K=K, L=num_local_experts, G=G, FP8=fp8,
-        BLOCK_G=triton.next_power_of_2(G), BLOCK_K=triton.next_power_of_2(K), ROWS=launch.rows(D),
-        PROGRAMS=launch.programs, num_warps=launch.num_warps)
+        x_TD, slot_TR, seq_1, peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"],
+        peers["dispatch_flag"], T, rank, R=slot_TR.shape[1], C=capacity, D=D, G=G, FP8=fp8,
+        BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int) -> None:
