@@ -64,6 +64,7 @@ class HtEarly:
     are made once and used in turn (one per dispatch in flight, at most two)."""
 
     host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
+    numbered: torch.cuda.Event  # recorded on the stream after the ids and weights are sent
     sized: torch.cuda.Event  # recorded after the copy to host_1
     laid_out: torch.cuda.Event  # recorded after the layout kernels
     layout: HtLayout | None = None
@@ -171,7 +172,8 @@ class HtDispatcher(Dispatcher):
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._early_slots = [HtEarly(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
-                                         sized=torch.cuda.Event(), laid_out=torch.cuda.Event()) for _ in range(2)]
+                                         numbered=torch.cuda.Event(), sized=torch.cuda.Event(),
+                                         laid_out=torch.cuda.Event()) for _ in range(2)]
             self._dispatch_calls = 0
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
@@ -264,34 +266,39 @@ class HtDispatcher(Dispatcher):
         # pairs every destination receives (stored there); then the ids and weights, then the rows
         slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, seq, R, L, self._peers, self.rank)
         kernels.meta_send(ids_TK, weights_TK, slot_TR, epoch_1, self._peers, self.rank, self.capacity, L)
-        early = self._start_early(epoch_1) if self._early else None
+        early = self._early_slots[self._dispatch_calls % 2] if self._early else None
+        if early is not None:
+            self._dispatch_calls += 1
+            early.numbered.record(torch.cuda.current_stream(self.device))
         kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
+        if early is not None:  # queued after the rows' kernel, so that the host does not hold it back
+            early = self._start_early(early, epoch_1)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
-    def _start_early(self, epoch_1: torch.Tensor) -> HtEarly:
-        """On the side stream, while the rows travel: the batch size, copied to the host (known once
-        every rank has numbered its pairs), and the batch's layout (once the ids have arrived)."""
-        slot = self._early_slots[self._dispatch_calls % 2]
-        self._dispatch_calls += 1
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
+    def _start_early(self, slot: HtEarly, epoch_1: torch.Tensor) -> HtEarly:
+        """On the side stream, after `slot.numbered` (the ids and weights sent), while the rows travel:
+        the batch size, copied to the host (known once every rank has numbered its pairs), and the
+        batch's layout (once every rank's ids have arrived)."""
+        self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
-            n_1 = kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)
+            n_1 = kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)  # waits
             slot.host_1.copy_(n_1, non_blocking=True)
             slot.sized.record(self._side)
-            layout = self._layout(epoch_1)
+            layout = self._layout(epoch_1, counts_waited=True)
             slot.laid_out.record(self._side)
         epoch_1.record_stream(self._side)
         return dataclasses.replace(slot, layout=layout)
 
-    def _layout(self, epoch_1: torch.Tensor) -> HtLayout:
-        """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
-        (waits on the device). Work proportional to the pairs received: a count and a place kernel over
-        blocks of received rows, with a scan of the [B, L] table of per-block counts between them (one
-        program per few experts); no row is read."""
+    def _layout(self, epoch_1: torch.Tensor, counts_waited: bool = False) -> HtLayout:
+        """The batch's expert-sorted layout, once every rank's counts (unless counts_waited) and ids of
+        epoch epoch_1 are here (waits on the device). Work proportional to the pairs received: a count
+        and a place kernel over blocks of received rows, with a scan of the [B, L] table of per-block
+        counts between them (one program per few experts); no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        kernels.wait_flags(self.ws.local("pairs_flag"), epoch_1, 1)
+        if not counts_waited:
+            kernels.wait_flags(self.ws.local("pairs_flag"), epoch_1, 1)
         kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, kernels.META_PROGRAMS)
         table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
