@@ -37,12 +37,6 @@ def main() -> None:
                      flag_peers="*i64", T="i32", rank="i32", C="i32"),
                 dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "slot_ptr"], warps, 1), failures, big)
-        check(f"meta_send K{K}", compile_hopper(
-            k._meta_send_kernel,
-            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", epoch_ptr="*i32", recv_ids_peers="*i64",
-                 recv_w_peers="*i64", flag_peers="*i64", T="i32", rank="i32", C="i32"),
-            dict(R=2, K=K, L=L, BLOCK_T=k.META_BLOCK, BLOCK_K=triton.next_power_of_2(K), PROGRAMS=k.META_PROGRAMS),
-            ["ids_ptr", "w_ptr", "slot_ptr"], 4, 1), failures, False)
         chunk, rows = k.combine_tiles(D)
         check(f"combine_send D{D} K{K}", compile_hopper(
             k._combine_send_kernel,
@@ -75,15 +69,19 @@ def main() -> None:
                  w_out_ptr="*fp32", rows_ptr="*i32", C="i32", NB="i32"),
             common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
         check(f"number_block K{K}", compile_hopper(
-            k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", T="i32", NT="i32"),
+            k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
+                                         epoch_ptr="*i32", T="i32", NT="i32"),
             dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 4, 1), failures, False)
-    check("number_fix", compile_hopper(
-        k._number_fix_kernel,
-        dict(slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32",
-             recv_count_peers="*i64", pairs_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32"),
-        dict(R=2, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2, BLOCK_NT=k.NUMBER_STEP), ["slot_ptr", "table_ptr"], 4, 1),
-        failures, False)
-    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),
+        check(f"number_fix K{K}", compile_hopper(
+            k._number_fix_kernel,
+            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
+                 epoch_ptr="*i32", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
+                 recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", meta_flag_peers="*i64", T="i32",
+                 NT="i32", rank="i32", C="i32"),
+            dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
+                 BLOCK_NT=k.NUMBER_STEP), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1), failures, False)
+    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", meta_flag_ptr="*i64", epoch_ptr="*i32",
+                                              out_ptr="*i32"),
                    dict(R=2, BLOCK_R=2), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
     if failures:

@@ -334,7 +334,8 @@ def test_layout_scan_matches_torch(monkeypatch):
 def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     """The sender's slots (blocks of 64 tokens, the earlier blocks summed 8 at a time; ids -1 and out of
     range) against a torch prefix sum; the tokens and pairs it stores into every rank's recv_count and
-    pairs buffers, signalled, and what recv_pairs sums there."""
+    pairs buffers and the ids and weights into its receive region, both signalled, and what recv_pairs
+    sums there."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "NUMBER_BLOCK", 64)
     monkeypatch.setattr(ht, "NUMBER_STEP", 8)
@@ -342,13 +343,19 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(-1, R * L + 2, (T, K), generator=g).to(ids_dtype)  # R*L, R*L+1: out of range
     seq = torch.full((1,), 5, dtype=torch.int32, device=_EMU_DEVICE)
-    pairs = [torch.full((2, R), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
-    recv_count = [torch.full((2, R), -7, dtype=torch.int32, device=_EMU_DEVICE) for _ in range(R)]
-    flags = [torch.zeros(R, dtype=torch.int64, device=_EMU_DEVICE) for _ in range(R)]
-    table = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=_EMU_DEVICE)  # noqa: E731
-    peers = {"pairs": table(pairs), "recv_count": table(recv_count), "pairs_flag": table(flags)}
-    slot_TR, counts_R, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), seq, R, L, peers, rank)
-    assert seq.item() == 6 and epoch_1.item() == 6  # the epoch advanced
+    C = max(T, 1)
+    bufs = {name: [torch.full(shape, fill, dtype=dtype, device=_EMU_DEVICE) for _ in range(R)]
+            for name, shape, fill, dtype in [("pairs", (2, R), -7, torch.int32), ("recv_count", (2, R), -7, torch.int32),
+                                             ("recv_ids", (2, R, C, K), -7, torch.int32),
+                                             ("recv_w", (2, R, C, K), -7.0, torch.float32),
+                                             ("pairs_flag", (R,), 0, torch.int64), ("meta_flag", (R,), 0, torch.int64)]}
+    peers = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=_EMU_DEVICE)
+             for name, ts in bufs.items()}
+    w = torch.rand(T, K, generator=g)
+    done = torch.zeros(1, dtype=torch.int32, device=_EMU_DEVICE)
+    slot_TR, counts_R, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), w.to(_EMU_DEVICE), seq, done, R, C, L, peers,
+                                                 rank)
+    assert seq.item() == 6 and epoch_1.item() == 6 and done.item() == 0  # the epoch advanced, counter reset
     dest = torch.where((ids >= 0) & (ids < R * L), ids.long() // L, R)
     wants_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_(1, dest, 1)[:, :R]
     hits_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_add_(1, dest, torch.ones_like(dest, dtype=torch.int32))
@@ -356,13 +363,22 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     assert torch.equal(slot_TR.cpu(), want.to(torch.int32))
     assert counts_R.cpu().tolist() == wants_TR.sum(0).tolist()
     for r in range(R):  # parity 6 % 2 = 0 at [0, rank]; the other parity untouched
-        assert pairs[r][0, rank].item() == int(hits_TR[:, r].sum())
-        assert recv_count[r][0, rank].item() == int(wants_TR[:, r].sum())
-        assert pairs[r][1].eq(-7).all() and recv_count[r][1].eq(-7).all()
-        assert flags[r].tolist() == [int(i == rank) for i in range(R)]
+        pairs, recv_count = bufs["pairs"][r].cpu(), bufs["recv_count"][r].cpu()
+        assert pairs[0, rank].item() == int(hits_TR[:, r].sum())
+        assert recv_count[0, rank].item() == int(wants_TR[:, r].sum())
+        assert pairs[1].eq(-7).all() and recv_count[1].eq(-7).all()
+        for flag in ("pairs_flag", "meta_flag"):  # one signal from `rank` on every rank
+            assert bufs[flag][r].tolist() == [int(i == rank) for i in range(R)]
+        sent = want[:, r] >= 0  # the ids (local to r, -1 elsewhere) and weights at the tokens' slots
+        lid = torch.where((ids >= r * L) & (ids < (r + 1) * L), ids - r * L, -1)
+        assert torch.equal(bufs["recv_ids"][r][0, rank, :int(sent.sum())].cpu(), lid[sent].int())
+        assert torch.equal(bufs["recv_w"][r][0, rank, :int(sent.sum())].cpu(), w[sent])
+    flags = bufs["pairs_flag"]
+    pairs = bufs["pairs"]
+    bufs["meta_flag"][0].fill_(6)
     flags[0].fill_(6)  # as if every rank had signalled epoch 6
     pairs[0][0] = torch.arange(R, dtype=torch.int32) * 10
-    assert ht.recv_pairs(pairs[0], flags[0], epoch_1).tolist() == [10 * R * (R - 1) // 2]
+    assert ht.recv_pairs(pairs[0], flags[0], bufs["meta_flag"][0], epoch_1).tolist() == [10 * R * (R - 1) // 2]
 
 
 def test_float32_dtype():

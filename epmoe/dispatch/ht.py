@@ -193,6 +193,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("pairs_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
+            BufferSpec("numbered", (1,), torch.int32),  # programs of the numbering kernel done (local)
             BufferSpec("combine_flag", (R,), torch.int64),
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
@@ -264,8 +265,8 @@ class HtDispatcher(Dispatcher):
         seq = self.ws.local("dispatch_seq")
         # slots, counts, this call's epoch (seq + 1, on the device: graph-replayable), and the tokens and
         # pairs every destination receives (stored there); then the ids and weights, then the rows
-        slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, seq, R, L, self._peers, self.rank)
-        kernels.meta_send(ids_TK, weights_TK, slot_TR, epoch_1, self._peers, self.rank, self.capacity, L)
+        slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("numbered"), R,
+                                                          self.capacity, L, self._peers, self.rank)
         early = self._early_slots[self._dispatch_calls % 2] if self._early else None
         if early is not None:
             self._dispatch_calls += 1
@@ -281,7 +282,7 @@ class HtDispatcher(Dispatcher):
         batch's layout (once every rank's ids have arrived)."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
-            n_1 = kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), epoch_1)  # waits
+            n_1 = self._recv_pairs(epoch_1)  # waits for the counts and ids
             slot.host_1.copy_(n_1, non_blocking=True)
             slot.sized.record(self._side)
             layout = self._layout(epoch_1, counts_waited=True)
@@ -289,17 +290,21 @@ class HtDispatcher(Dispatcher):
         epoch_1.record_stream(self._side)
         return dataclasses.replace(slot, layout=layout)
 
+    def _recv_pairs(self, epoch_1: torch.Tensor) -> torch.Tensor:
+        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), self.ws.local("meta_flag"),
+                                  epoch_1)
+
     def _layout(self, epoch_1: torch.Tensor, counts_waited: bool = False) -> HtLayout:
-        """The batch's expert-sorted layout, once every rank's counts (unless counts_waited) and ids of
-        epoch epoch_1 are here (waits on the device). Work proportional to the pairs received: a count
-        and a place kernel over blocks of received rows, with a scan of the [B, L] table of per-block
-        counts between them (one program per few experts); no row is read."""
+        """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
+        (waits on the device, unless counts_waited: `_recv_pairs` did). Work proportional to the pairs
+        received: a count and a place kernel over blocks of received rows, with a scan of the [B, L]
+        table of per-block counts between them (one program per few experts); no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
         if not counts_waited:
             kernels.wait_flags(self.ws.local("pairs_flag"), epoch_1, 1)
-        kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, kernels.META_PROGRAMS)
+            kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, 1)
         table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
@@ -326,7 +331,7 @@ class HtDispatcher(Dispatcher):
             if self.sync_free:
                 n = self.max_recv_rows
             else:  # emulated ranks: every rank's send has run by now
-                n = int(kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), pending.epoch_1)[0])
+                n = int(self._recv_pairs(pending.epoch_1)[0])
         else:
             lay = early.layout
             torch.cuda.current_stream(self.device).wait_event(early.laid_out)

@@ -101,12 +101,13 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 
 
 @triton.jit
-def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, T, NT,
+def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT,
                          R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_R: tl.constexpr):
     """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T): slot[t, r] = earlier tokens of the block sent
     to rank r if token t has an expert on r, else -1 (ids outside [0, R*L) count as none);
     table[0, b, r] = tokens of the block sent to r, table[1, b, r] = their (token, slot) pairs on r.
+    Program 0 writes this call's epoch, epoch[0] = seq + 1 (seq itself advances in `_number_fix_kernel`).
     Reads ids one slot at a time (a [BLOCK_T, K] tile reduced over K counted wrong on an H200 at K 8)."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
@@ -124,17 +125,23 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, T, NT,
              mask=tmask[:, None] & rmask[None, :])
     tl.store(table_ptr + b * R + rr, tl.sum(wants, axis=0), mask=rmask)
     tl.store(table_ptr + (NT + b) * R + rr, tl.sum(hits, axis=0), mask=rmask)
+    if b == 0:
+        tl.store(epoch_ptr, tl.load(seq_ptr) + 1)
 
 
 @triton.jit
-def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, recv_count_peers, pairs_peers, flag_peers,
-                       T, NT, rank,
-                       R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
+def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, done_ptr,
+                       recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers, meta_flag_peers,
+                       T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
     """Program b adds the tokens that earlier blocks sent to each rank to its block's slots. Program 0
-    also writes count[r] = tokens sent to r, advances the epoch (seq += 1, epoch[0] = the new value)
-    and stores the tokens and the (token, slot) pairs sent to r into rank r's recv_count[parity, rank]
-    and pairs[parity, rank], with one release signal per rank (flag[rank] on r): receivers size their
-    batch (`recv_pairs`) and start its layout before the rows arrive."""
+    also writes count[r] = tokens sent to r, advances the epoch (seq = epoch[0]) and stores the tokens
+    and the (token, slot) pairs sent to r into rank r's recv_count[parity, rank] and pairs[parity,
+    rank], with one release signal per rank (flag[rank] on r): receivers size their batch
+    (`recv_pairs`) and start its layout before the rows arrive. Every program then stores its tokens'
+    K destination-local ids (-1 for other ranks' experts) and weights into each destination's receive
+    region at the token's slot; the last program to finish (counter done[0], back to 0 after) signals
+    meta_flag[rank] on every rank."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -147,7 +154,10 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, recv_
     tmask = (t < T)[:, None] & rmask[None, :]
     at = slot_ptr + t.to(tl.int64)[:, None] * R + rr[None, :]
     slot = tl.load(at, mask=tmask, other=-1)
-    tl.store(at, tl.where(slot >= 0, slot + base[None, :], -1), mask=tmask)
+    slot = tl.where(slot >= 0, slot + base[None, :], -1)
+    tl.store(at, slot, mask=tmask)
+    epoch = tl.load(epoch_ptr)
+    parity = epoch % 2
     if b == 0:
         rows = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens
         pairs = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -157,25 +167,42 @@ def _number_fix_kernel(slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, recv_
             rows += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=valid, other=0), axis=0)
             pairs += tl.sum(tl.load(table_ptr + (NT + bb[:, None]) * R + rr[None, :], mask=valid, other=0), axis=0)
         tl.store(count_ptr + rr, rows, mask=rmask)
-        epoch = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, epoch)
-        tl.store(epoch_ptr, epoch)
-        parity = epoch % 2
         for r in tl.static_range(R):
             tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, rows, 0), axis=0))
             tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
         _signal(flag_peers, rank, R)
+    kk = tl.arange(0, BLOCK_K)
+    t64 = t.to(tl.int64)
+    kmask = (t < T)[:, None] & (kk < K)[None, :]
+    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+    w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
+    for r in tl.static_range(R):
+        slot_r = tl.sum(tl.where(rr[None, :] == r, slot, 0), axis=1)
+        row_at = ((parity * R + rank) * C + tl.maximum(slot_r, 0)).to(tl.int64)
+        lid = ids - r * L
+        lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
+        smask = kmask & (slot_r >= 0)[:, None]
+        tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
+        tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == NT - 1:  # the last program
+        tl.store(done_ptr, 0)
+        _signal(meta_flag_peers, rank, R)
 
 
 @triton.jit
-def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
-    system scope), then out[0] = the (token, slot) pairs received from all ranks."""
+def _recv_pairs_kernel(pairs_ptr, flag_ptr, meta_flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] and
+    meta_flag[r] (acquire, system scope), then out[0] = the (token, slot) pairs received from all ranks."""
     epoch = tl.load(epoch_ptr)
     for r in tl.static_range(R):
         seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
         while seen < epoch:
             seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
+        seen = tl.atomic_add(meta_flag_ptr + r, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            seen = tl.atomic_add(meta_flag_ptr + r, 0, sem="acquire", scope="sys")
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
     pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
@@ -219,34 +246,6 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
             if FP8:
                 tl.store(_peer(recv_scale_peers, r, tl.float32) + row_at[:, None] * G + gg[None, :], scale,
                          mask=sent[:, None] & (gg < G)[None, :])
-    _signal(flag_peers, rank, R)
-
-
-@triton.jit
-def _meta_send_kernel(ids_ptr, w_ptr, slot_ptr, epoch_ptr, recv_ids_peers, recv_w_peers, flag_peers, T, rank,
-                      R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
-    """Before the rows: each token's K destination-local ids (-1 for other ranks' experts) and weights
-    into every destination rank's receive region at the token's slot there, BLOCK_T tokens a step;
-    then one signal per peer (the receiver's layout starts on these while the rows travel)."""
-    pid = tl.program_id(0)
-    parity = tl.load(epoch_ptr) % 2
-    kk = tl.arange(0, BLOCK_K)
-    for first in range(pid * BLOCK_T, T, PROGRAMS * BLOCK_T):
-        t = first + tl.arange(0, BLOCK_T)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        kmask = tmask[:, None] & (kk < K)[None, :]
-        ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
-        w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
-        for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
-            row_at = ((parity * R + rank) * C + tl.maximum(slot, 0)).to(tl.int64)
-            lid = ids - r * L
-            lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
-            smask = kmask & (slot >= 0)[:, None]
-            tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
-            tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
     _signal(flag_peers, rank, R)
 
 
@@ -426,17 +425,21 @@ NUMBER_BLOCK = 128
 NUMBER_STEP = 1024
 
 
-def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num_local_experts: int,
-                 peers: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_1: torch.Tensor,
+                 world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Number the (token, destination rank) pairs, advance the epoch, and tell every rank its sizes.
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
     -1 when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank; epoch_1 int32 [1]:
     this call's epoch (seq_1 after its increment on the device). Stores the tokens and the (token,
     slot) pairs sent to rank r into r's "recv_count" and "pairs" buffers (int32 [2, R], at [epoch % 2,
-    rank]) and signals r's "pairs_flag"[rank] (peers: address tables, int64 [R], of those buffers).
-    ids_TK: int32/int64 [T, K] global ids, -1 none. Two kernels (T / NUMBER_BLOCK programs each), no
-    host sync."""
+    rank]) and signals r's "pairs_flag"[rank]; then stores each token's destination-local ids and
+    weights into each destination's "recv_ids" / "recv_w" at the token's slot and signals
+    "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers), so that receivers can
+    lay the batch out while the rows travel. ids_TK: int32/int64 [T, K] global ids, -1 none;
+    weights_TK: float32 [T, K]; done_1: int32 [1] zero, a counter of finished programs. Two kernels
+    (T / NUMBER_BLOCK programs each), no host sync."""
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
@@ -446,42 +449,25 @@ def number_pairs(ids_TK: torch.Tensor, seq_1: torch.Tensor, world_size: int, num
     NT = max(1, triton.cdiv(T, NUMBER_BLOCK))
     table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
     BLOCK_R = triton.next_power_of_2(R)
-    _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, T, NT, R=R, K=K, L=num_local_experts,
+    _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, seq_1, epoch_1, T, NT, R=R, K=K, L=num_local_experts,
                                 BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
-    _number_fix_kernel[(NT,)](slot_TR, table_2TR, counts_R, seq_1, epoch_1, peers["recv_count"], peers["pairs"],
-                              peers["pairs_flag"], T, NT, rank, R=R, BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
+    _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, counts_R, seq_1, epoch_1, done_1,
+                              peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
+                              peers["pairs_flag"], peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K,
+                              L=num_local_experts, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
     return slot_TR, counts_R, epoch_1
 
 
-def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
+def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, meta_flag_R: torch.Tensor, epoch_1: torch.Tensor
+               ) -> torch.Tensor:
     """int32 [1]: the (token, slot) pairs this rank receives in epoch epoch_1 from all ranks, once every
-    rank's `number_pairs` of that epoch has signalled (spins on the device until then)."""
+    rank's `number_pairs` of that epoch has signalled both flags (spins on the device until then:
+    the counts and the ids are here after it)."""
     R = flag_R.shape[0]
     out = torch.empty(1, dtype=torch.int32, device=flag_R.device)
-    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
+    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, meta_flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R),
+                             num_warps=1)
     return out
-
-
-# meta send: tokens per step, programs
-META_BLOCK = 64
-META_PROGRAMS = 16
-
-
-def meta_send(ids_TK: torch.Tensor, weights_TK: torch.Tensor, slot_TR: torch.Tensor, epoch_1: torch.Tensor,
-              peers: dict[str, torch.Tensor], rank: int, capacity: int, num_local_experts: int) -> None:
-    """Store every token's destination-local ids and weights into each destination rank's receive
-    region (before the rows, so that receivers can lay the batch out while the rows travel), then
-    META_PROGRAMS signals per rank into "meta_flag".
-
-    ids_TK int32/int64 [T, K] global ids (-1 none); weights_TK float32 [T, K]; slot_TR: int32 [T, R],
-    the token's row at rank r (-1: not sent there); epoch_1: int32 [1] this call's epoch; peers:
-    address tables (int64 [R]) of "recv_ids", "recv_w", "meta_flag".
-    """
-    T, K = ids_TK.shape
-    _meta_send_kernel[(META_PROGRAMS,)](
-        ids_TK, weights_TK, slot_TR, epoch_1, peers["recv_ids"], peers["recv_w"], peers["meta_flag"], T, rank,
-        R=slot_TR.shape[1], C=capacity, K=K, L=num_local_experts, BLOCK_T=META_BLOCK,
-        BLOCK_K=triton.next_power_of_2(K), PROGRAMS=META_PROGRAMS, num_warps=4)
 
 
 def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, peers: dict[str, torch.Tensor],
