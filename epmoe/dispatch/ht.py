@@ -33,6 +33,7 @@ Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ class HtLayout:
 
 @dataclass(frozen=True)
 class HtEarly:
-    """A dispatch's work on the side stream while its rows travel (host-synced mode over a process
+    """What a dispatch starts on the side stream while its rows travel (host-synced mode over a process
     group): the batch size, copied to pinned memory, and the layout. The pinned slot and the events
     are made once and used in turn (one per dispatch in flight, at most two)."""
 
@@ -66,6 +67,7 @@ class HtEarly:
     numbered: torch.cuda.Event  # recorded on the stream after the ids and weights are sent
     sized: torch.cuda.Event  # recorded after the copy to host_1
     laid_out: torch.cuda.Event  # recorded after the layout kernels
+    layout: HtLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class HtDispatchPending:
 
     slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
     epoch_1: torch.Tensor  # int32 [1]: the call's epoch
-    early: HtEarly | None  # process groups, host-synced mode: `numbered` recorded
+    early: HtEarly | None  # started in dispatch_send (process groups, host-synced mode)
     num_tokens: int
 
 
@@ -270,12 +272,14 @@ class HtDispatcher(Dispatcher):
             self._dispatch_calls += 1
             early.numbered.record(torch.cuda.current_stream(self.device))
         kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
+        if early is not None:  # queued after the rows' kernel, so that the host does not hold it back
+            early = self._start_early(early, epoch_1)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
-    def _start_early(self, slot: HtEarly, epoch_1: torch.Tensor) -> HtLayout:
-        """On the side stream, after `slot.numbered` (the numbering kernels, which send the ids and
-        weights), while the rows travel: the batch size, copied to the host (known once every rank has
-        numbered its pairs), and the batch's layout (once every rank's ids have arrived)."""
+    def _start_early(self, slot: HtEarly, epoch_1: torch.Tensor) -> HtEarly:
+        """On the side stream, after `slot.numbered` (the ids and weights sent), while the rows travel:
+        the batch size, copied to the host (known once every rank has numbered its pairs), and the
+        batch's layout (once every rank's ids have arrived)."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
             n_1 = self._recv_pairs(epoch_1)  # waits for the counts and ids
@@ -284,7 +288,7 @@ class HtDispatcher(Dispatcher):
             layout = self._layout(epoch_1, counts_waited=True)
             slot.laid_out.record(self._side)
         epoch_1.record_stream(self._side)
-        return layout
+        return dataclasses.replace(slot, layout=layout)
 
     def _recv_pairs(self, epoch_1: torch.Tensor) -> torch.Tensor:
         return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), self.ws.local("meta_flag"),
@@ -319,10 +323,8 @@ class HtDispatcher(Dispatcher):
     def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
-        copied. Process groups, host-synced mode: the layout is made on the side stream, which started
-        after the numbering kernels and so overlaps the rows' transfer (it is queued here, after the
-        stream's wait, so that the host does not hold that back); else it is made on the stream. The host
-        then reads the batch size (unless sync_free)."""
+        copied. The layout was started early on the side stream (process groups, host-synced mode),
+        else it is made now; the host then reads the batch size (unless sync_free)."""
         early = pending.early
         if early is None:
             lay = self._layout(pending.epoch_1)
@@ -331,7 +333,7 @@ class HtDispatcher(Dispatcher):
             else:  # emulated ranks: every rank's send has run by now
                 n = int(self._recv_pairs(pending.epoch_1)[0])
         else:
-            lay = self._start_early(early, pending.epoch_1)
+            lay = early.layout
             torch.cuda.current_stream(self.device).wait_event(early.laid_out)
             early.sized.synchronize()  # host sync
             n = int(early.host_1[0])
