@@ -8,8 +8,10 @@ For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine),
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
 (median after warm-up; two input sets alternate; a ~0.2 ms device spin between dispatch and combine stands
 in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
-- time of dispatch (split into transfer and layout for ht) and combine (us), and of the `alltoall` dispatcher on the same bf16 data, with the
-  end-to-end ratio (alltoall dispatch + combine) / (ht dispatch + combine);
+- time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
+  rows; and layout: the rest until the batch is ready) and combine (us), and of the `alltoall`
+  dispatcher on the same bf16 data, with the end-to-end ratio (alltoall dispatch + combine) / (ht
+  dispatch + combine);
 - link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
   [+ fp8 scales] of each (token, other rank) pair; combine: one bf16 row per (token, rank) pair it returns);
   the NVLink limit is 478 GB/s per direction;
@@ -73,7 +75,8 @@ EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
-    combine; for `ht` also the transfer part of dispatch (send kernel + wait for all ranks' rows)."""
+    combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
+    rows)."""
     ht = hasattr(dispatcher, "_dispatch_wait")
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
@@ -185,12 +188,13 @@ def main(argv: list[str]) -> None:
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"ht: {rows[0]['ht_programs']} programs for the dispatch send kernel and {rows[0]['ht_combine_programs']} "
-          f"for the combine send kernel ({rows[0]['sms']} SMs); 1 program waits; the final combine sum uses up "
-          f"to {4 * rows[0]['sms']} programs (no spinning); capacity (max_tokens_per_rank) = T of each row")
+          f"for the combine send kernel ({rows[0]['sms']} SMs); 1 program waits for the rows, 1 (side stream) for "
+          f"the sizes and ids; the final combine sum uses up to {4 * rows[0]['sms']} programs (no spinning); "
+          f"capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
-          f"disp = xfer (send kernel + wait for every rank's rows) + layout (expert-sorted row index into the "
-          f"received rows, incl. its host sync)")
+          f"disp = xfer (numbering + send kernel + wait for every rank's rows) + layout (the rest: waiting for the "
+          f"expert-sorted row index, made on a side stream during the transfer, and the host's read of the size)")
     print(_table(rows))
     print(f"wrote {out / 'bench_dispatch.json'}")
 

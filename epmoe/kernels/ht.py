@@ -5,10 +5,14 @@ kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (
 the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
 program and call, a receiver waits until a flag reaches epoch * programs.
 
-The receiver's layout (expert-sorted batch) costs work proportional to the (row, slot) pairs received,
-not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of received rows
-(blocks past a source's count do nothing) and write each batch row's index into the receive buffer,
-which the experts read through; the counts are read on the device.
+The sender numbers its (token, destination) pairs in two kernels (per-block counts, then the prefix
+over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
+counts (signalled by its program 0) and the tokens' ids and weights (signalled by the last program to
+finish); then the rows' kernel. So the receiver knows its batch size and lays the batch out while the
+rows travel. The layout (expert-sorted batch) costs work proportional to the (row, slot) pairs
+received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
+received rows (blocks past a source's count do nothing) and write each batch row's index into the
+receive buffer, which the experts read through; the counts are read on the device.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
 C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
