@@ -33,11 +33,11 @@ def _rank(ctx, args):
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
     out = []
+    default_tiles = (kernels.COMBINE_CHUNK, kernels.COMBINE_STEP)
     for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
         default = HtDispatcher(cfg, ctx.group).launch
-        default_tiles = (kernels.COMBINE_CHUNK, kernels.COMBINE_STEP)
         kept = []  # every workspace stays allocated to the end: no symmetric-memory frees between settings
         for dp, dw, cp, cw, *tiles in args.settings:
             kernels.COMBINE_CHUNK, kernels.COMBINE_STEP = tiles or default_tiles
@@ -50,6 +50,7 @@ def _rank(ctx, args):
             print(f"rank {ctx.rank} {quant or 'bf16':>9} dispatch {dp}/SM x {dw} warps, combine {cp}/SM x {cw} "
                   f"warps {tiles}: xfer {t['transfer']:.0f} us, dispatch {t['dispatch']:.0f} us, "
                   f"combine {t['combine']:.0f} us", flush=True)
+    kernels.COMBINE_CHUNK, kernels.COMBINE_STEP = default_tiles
     return out
 
 

@@ -74,14 +74,12 @@ def main() -> None:
             dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 4, 1), failures, False)
         check(f"number_fix K{K}", compile_hopper(
             k._number_fix_kernel,
-            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32",
-                 epoch_ptr="*i32", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
-                 recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", meta_flag_peers="*i64", T="i32",
-                 NT="i32", rank="i32", C="i32"),
+            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32",
+                 done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64", recv_ids_peers="*i64",
+                 recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32", C="i32"),
             dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
                  BLOCK_NT=k.NUMBER_STEP), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1), failures, False)
-    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", meta_flag_ptr="*i64", epoch_ptr="*i32",
-                                              out_ptr="*i32"),
+    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),
                    dict(R=2, BLOCK_R=2), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
     if failures:

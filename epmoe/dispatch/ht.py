@@ -1,25 +1,27 @@
 """`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
 
 Dispatch, on the sender: two kernels number its (token, destination rank) pairs with a device prefix
-sum and store into every destination the tokens and (token, slot) pairs it will get, with a signal; a
-small kernel stores each token's destination-local ids and weights into each destination's receive
-region, with a signal; then one Triton kernel stores each row once per destination rank
-(fp8-quantized on the way when cfg.quant == "fp8_block") straight into that rank's receive region, and
-signals. On the receiver (host-synced mode, process group), a side stream waits for the first two
-signals and, while the rows still travel, copies the batch size to the host and sorts the received
-(row, local expert) pairs by expert, with work proportional to the pairs received (not to the
-capacity C); the batch is a row index into the receive buffer (ExpertBatch.row_index_N), so no row is
-copied again: the `triton` experts read rows through the index (experts that do not get a materialized
-copy, see Experts.reads_row_index). The stream waits for the rows' signals and the layout.
+sum and store into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
+get and each token's destination-local ids and weights, with one signal; then one Triton kernel
+stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
+straight into that rank's receive region, and signals. On the receiver (host-synced mode, process
+group), a side stream waits for the first signal and, while the rows still travel, copies the batch
+size to the host and sorts the received (row, local expert) pairs by expert, with work proportional
+to the pairs received (not to the capacity C); the batch is a row index into the receive buffer
+(ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows through the
+index (experts that do not get a materialized copy, see Experts.reads_row_index). The stream waits for
+the rows' signals and the layout. (Emulated ranks and sync_free mode: no side stream, the receive
+phase makes the layout after the rows.)
 Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
 (token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
 
 Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
     recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs int32 [2, R] (tokens and
-    pairs from each rank), comb [2, R, C, D] cfg.dtype, pairs_flag / meta_flag / dispatch_flag /
-    combine_flag int64 [R] (monotonic, one add per sending program and call), dispatch_seq / combine_seq
-    int32 [1] (epochs, incremented on the device).
+    pairs from each rank), comb [2, R, C, D] cfg.dtype, meta_flag / dispatch_flag / combine_flag int64
+    [R] (monotonic: one add per call from the numbering, per sending program and call from the send
+    kernels), dispatch_seq / combine_seq int32 [1] (epochs, incremented on the device), number_done
+    int32 [1] (the numbering kernel's finished programs; used locally).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
 n+2 comes after its combine n, which waited for every peer's combine send n, which each peer issued
 after running its experts on call n (the last reads of the region of call n, through the row index).
@@ -33,7 +35,6 @@ Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,16 +59,24 @@ class HtLayout:
 
 
 @dataclass(frozen=True)
-class HtEarly:
-    """What a dispatch starts on the side stream while its rows travel (host-synced mode over a process
-    group): the batch size, copied to pinned memory, and the layout. The pinned slot and the events
-    are made once and used in turn (one per dispatch in flight, at most two)."""
+class HtEarlySlot:
+    """Pinned memory and events for one dispatch's side-stream work (host-synced mode over a process
+    group). A dispatcher makes two and uses them in turn: a slot is recorded again two dispatches
+    later, after its dispatch's receive has read it."""
 
     host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
-    numbered: torch.cuda.Event  # recorded on the stream after the ids and weights are sent
-    sized: torch.cuda.Event  # recorded after the copy to host_1
-    laid_out: torch.cuda.Event  # recorded after the layout kernels
-    layout: HtLayout | None = None
+    numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
+    sized: torch.cuda.Event  # recorded on the side stream after the copy to host_1
+    laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
+
+
+@dataclass(frozen=True)
+class HtEarly:
+    """A dispatch's side-stream work, queued while its rows travel: the batch size on its way to
+    slot.host_1, and the layout."""
+
+    slot: HtEarlySlot
+    layout: HtLayout
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class HtDispatchPending:
 
     slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
     epoch_1: torch.Tensor  # int32 [1]: the call's epoch
-    early: HtEarly | None  # started in dispatch_send (process groups, host-synced mode)
+    early: HtEarly | None  # host-synced mode over a process group; else the receive makes the layout
     num_tokens: int
 
 
@@ -123,6 +132,11 @@ class HtDispatcher(Dispatcher):
     buffer through its row_index_N: its rows are valid until the batch is combined, the experts must
     run on the stream that then calls combine, and at most two dispatches may be in flight (not yet
     combined) per dispatcher (not checked: a third overwrites the first one's rows).
+
+    Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
+    stream, a kernel that spins until every rank has numbered its pairs, the copy of the batch size to
+    the host and the layout kernels; dispatch_recv makes the calling stream wait for them. Call the
+    phases from one stream.
     """
 
     name = "ht"
@@ -171,10 +185,10 @@ class HtDispatcher(Dispatcher):
         self._early = not self.sync_free and not isinstance(group, EmulatedGroup)
         if self._early:
             self._side = torch.cuda.Stream(self.device)
-            self._early_slots = [HtEarly(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
-                                         numbered=torch.cuda.Event(), sized=torch.cuda.Event(),
-                                         laid_out=torch.cuda.Event()) for _ in range(2)]
-            self._dispatch_calls = 0
+            self._early_slots = [HtEarlySlot(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
+                                             numbered=torch.cuda.Event(), sized=torch.cuda.Event(),
+                                             laid_out=torch.cuda.Event()) for _ in range(2)]
+            self._dispatch_calls = 0  # picks the slot
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -191,9 +205,8 @@ class HtDispatcher(Dispatcher):
             BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
             BufferSpec("dispatch_flag", (R,), torch.int64),
-            BufferSpec("pairs_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
-            BufferSpec("numbered", (1,), torch.int32),  # programs of the numbering kernel done (local)
+            BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
             BufferSpec("combine_flag", (R,), torch.int64),
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
@@ -219,7 +232,8 @@ class HtDispatcher(Dispatcher):
     def dispatch_send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> HtDispatchPending:
         """Validate, then store this rank's rows into every destination's receive region and signal.
 
-        Inputs as in Dispatcher.dispatch, T <= cfg.max_tokens_per_rank. Returns immediately (no wait).
+        Inputs as in Dispatcher.dispatch, T <= cfg.max_tokens_per_rank. Returns without waiting; the
+        side stream's work (see Streams in the class docstring) may spin until every rank has sent.
         """
         if _capturing():
             self._check_shapes(x_TD, ids_TK, weights_TK)
@@ -232,9 +246,10 @@ class HtDispatcher(Dispatcher):
         return self._dispatch_send(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
 
     def dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
-        """Wait (on the device) for every rank's rows, then build the expert-sorted batch.
+        """Wait (on the device) for every rank's rows and the batch's layout (made on the side stream
+        during the transfer in host-synced mode over a process group, else now); the expert-sorted batch.
 
-        One host sync (the number of valid rows) unless sync_free.
+        One host sync (the number of valid rows, known before the rows arrive) unless sync_free.
         """
         return self._dispatch_recv(pending)
 
@@ -265,45 +280,47 @@ class HtDispatcher(Dispatcher):
         seq = self.ws.local("dispatch_seq")
         # slots, counts, this call's epoch (seq + 1, on the device: graph-replayable), and the tokens and
         # pairs every destination receives (stored there); then the ids and weights, then the rows
-        slot_TR, counts_R, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("numbered"), R,
-                                                          self.capacity, L, self._peers, self.rank)
-        early = self._early_slots[self._dispatch_calls % 2] if self._early else None
-        if early is not None:
+        slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
+                                                self.capacity, L, self._peers, self.rank)
+        slot = None
+        if self._early:
+            slot = self._early_slots[self._dispatch_calls % 2]
             self._dispatch_calls += 1
-            early.numbered.record(torch.cuda.current_stream(self.device))
+            slot.numbered.record(torch.cuda.current_stream(self.device))
         kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
-        if early is not None:  # queued after the rows' kernel, so that the host does not hold it back
-            early = self._start_early(early, epoch_1)
+        # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
+        early = None if slot is None else self._start_early(slot, epoch_1)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
-    def _start_early(self, slot: HtEarly, epoch_1: torch.Tensor) -> HtEarly:
-        """On the side stream, after `slot.numbered` (the ids and weights sent), while the rows travel:
-        the batch size, copied to the host (known once every rank has numbered its pairs), and the
-        batch's layout (once every rank's ids have arrived)."""
+    def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor) -> HtEarly:
+        """On the side stream, after `slot.numbered`, while the rows travel: the batch size, copied to
+        the host, and the batch's layout, once every rank's numbering has signalled (its counts, ids
+        and weights are here). The layout's tensors are allocated on the side stream and read on the
+        stream (after `laid_out`): when they are freed, the side stream may reuse their memory at once,
+        which is safe because all its later work starts after a later dispatch's `numbered`, recorded
+        on the stream after everything queued there before."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
-            n_1 = self._recv_pairs(epoch_1)  # waits for the counts and ids
+            n_1 = self._recv_pairs(epoch_1)  # waits for every rank's numbering
             slot.host_1.copy_(n_1, non_blocking=True)
             slot.sized.record(self._side)
-            layout = self._layout(epoch_1, counts_waited=True)
+            layout = self._layout(epoch_1, numbering_waited=True)
             slot.laid_out.record(self._side)
         epoch_1.record_stream(self._side)
-        return dataclasses.replace(slot, layout=layout)
+        return HtEarly(slot=slot, layout=layout)
 
     def _recv_pairs(self, epoch_1: torch.Tensor) -> torch.Tensor:
-        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("pairs_flag"), self.ws.local("meta_flag"),
-                                  epoch_1)
+        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("meta_flag"), epoch_1)
 
-    def _layout(self, epoch_1: torch.Tensor, counts_waited: bool = False) -> HtLayout:
+    def _layout(self, epoch_1: torch.Tensor, numbering_waited: bool = False) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
-        (waits on the device, unless counts_waited: `_recv_pairs` did). Work proportional to the pairs
-        received: a count and a place kernel over blocks of received rows, with a scan of the [B, L]
-        table of per-block counts between them (one program per few experts); no row is read."""
+        (waits on the device, unless numbering_waited: `_recv_pairs` did). Work proportional to the
+        pairs received: a count and a place kernel over blocks of received rows, with a scan of the
+        [B, L] table of per-block counts between them (one program per few experts); no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        if not counts_waited:
-            kernels.wait_flags(self.ws.local("pairs_flag"), epoch_1, 1)
+        if not numbering_waited:
             kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, 1)
         table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
@@ -334,9 +351,9 @@ class HtDispatcher(Dispatcher):
                 n = int(self._recv_pairs(pending.epoch_1)[0])
         else:
             lay = early.layout
-            torch.cuda.current_stream(self.device).wait_event(early.laid_out)
-            early.sized.synchronize()  # host sync
-            n = int(early.host_1[0])
+            torch.cuda.current_stream(self.device).wait_event(early.slot.laid_out)
+            early.slot.sized.synchronize()  # host sync
+            n = int(early.slot.host_1[0])
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
                           recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,

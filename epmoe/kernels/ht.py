@@ -3,12 +3,12 @@
 Every peer buffer is reached through an int64 table of its address on each rank (epmoe/symm.py); a
 kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (parity = epoch % 2,
 the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
-program and call, a receiver waits until a flag reaches epoch * programs.
+signalling program (or once) per call, a receiver waits until a flag reaches epoch * programs.
 
 The sender numbers its (token, destination) pairs in two kernels (per-block counts, then the prefix
 over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
-counts (signalled by its program 0) and the tokens' ids and weights (signalled by the last program to
-finish); then the rows' kernel. So the receiver knows its batch size and lays the batch out while the
+counts and the tokens' ids and weights (signalled once, by its last program to finish); then the rows'
+kernel. So the receiver knows its batch size and lays the batch out while the
 rows travel. The layout (expert-sorted batch) costs work proportional to the (row, slot) pairs
 received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
 received rows (blocks past a source's count do nothing) and write each batch row's index into the
@@ -134,18 +134,17 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT
 
 
 @triton.jit
-def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, count_ptr, seq_ptr, epoch_ptr, done_ptr,
-                       recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers, meta_flag_peers,
+def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, done_ptr,
+                       recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers,
                        T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
-    """Program b adds the tokens that earlier blocks sent to each rank to its block's slots. Program 0
-    also writes count[r] = tokens sent to r, advances the epoch (seq = epoch[0]) and stores the tokens
-    and the (token, slot) pairs sent to r into rank r's recv_count[parity, rank] and pairs[parity,
-    rank], with one release signal per rank (flag[rank] on r): receivers size their batch
-    (`recv_pairs`) and start its layout before the rows arrive. Every program then stores its tokens'
-    K destination-local ids (-1 for other ranks' experts) and weights into each destination's receive
-    region at the token's slot; the last program to finish (counter done[0], back to 0 after) signals
-    meta_flag[rank] on every rank."""
+    """Program b adds the tokens that earlier blocks sent to each rank to its block's slots, then stores
+    its tokens' K destination-local ids (-1 for other ranks' experts) and weights into each
+    destination's receive region at the token's slot. Program 0 also advances the epoch (seq =
+    epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
+    recv_count[parity, rank] and pairs[parity, rank]. The last program to finish (counter done[0], back
+    to 0 after; its acq_rel chain orders every program's stores before it) signals flag[rank] on every
+    rank: receivers then size their batch (`recv_pairs`) and lay it out before the rows arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -170,12 +169,10 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, count_ptr, seq_ptr, 
             valid = (bb < NT)[:, None] & rmask[None, :]
             rows += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=valid, other=0), axis=0)
             pairs += tl.sum(tl.load(table_ptr + (NT + bb[:, None]) * R + rr[None, :], mask=valid, other=0), axis=0)
-        tl.store(count_ptr + rr, rows, mask=rmask)
         tl.store(seq_ptr, epoch)
         for r in tl.static_range(R):
             tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, rows, 0), axis=0))
             tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
-        _signal(flag_peers, rank, R)
     kk = tl.arange(0, BLOCK_K)
     t64 = t.to(tl.int64)
     kmask = (t < T)[:, None] & (kk < K)[None, :]
@@ -192,21 +189,18 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, count_ptr, seq_ptr, 
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == NT - 1:  # the last program
         tl.store(done_ptr, 0)
-        _signal(meta_flag_peers, rank, R)
+        _signal(flag_peers, rank, R)
 
 
 @triton.jit
-def _recv_pairs_kernel(pairs_ptr, flag_ptr, meta_flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] and
-    meta_flag[r] (acquire, system scope), then out[0] = the (token, slot) pairs received from all ranks."""
+def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
+    system scope), then out[0] = the (token, slot) pairs received from all ranks."""
     epoch = tl.load(epoch_ptr)
     for r in tl.static_range(R):
         seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
         while seen < epoch:
             seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
-        seen = tl.atomic_add(meta_flag_ptr + r, 0, sem="acquire", scope="sys")
-        while seen < epoch:
-            seen = tl.atomic_add(meta_flag_ptr + r, 0, sem="acquire", scope="sys")
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
     pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
@@ -316,7 +310,7 @@ def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
                            R: tl.constexpr, C, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            ROWS: tl.constexpr):
     """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
-    ROWS tokens per program step (the grid: however many programs T needs, compiled once)."""
+    ROWS tokens per program step (the grid, however many programs T needs, is no compile-time constant)."""
     pid = tl.program_id(0)
     parity = tl.load(seq_ptr) % 2
     cols = tl.arange(0, BLOCK_D)
@@ -431,46 +425,43 @@ NUMBER_STEP = 1024
 
 def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_1: torch.Tensor,
                  world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Number the (token, destination rank) pairs, advance the epoch, and tell every rank its sizes.
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Number the (token, destination rank) pairs, advance the epoch, and send every rank, ahead of the
+    rows, what it needs to size and lay out its batch.
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
-    -1 when none of its ids is on r; counts_R int32 [R]: tokens sent to each rank; epoch_1 int32 [1]:
-    this call's epoch (seq_1 after its increment on the device). Stores the tokens and the (token,
-    slot) pairs sent to rank r into r's "recv_count" and "pairs" buffers (int32 [2, R], at [epoch % 2,
-    rank]) and signals r's "pairs_flag"[rank]; then stores each token's destination-local ids and
-    weights into each destination's "recv_ids" / "recv_w" at the token's slot and signals
-    "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers), so that receivers can
-    lay the batch out while the rows travel. ids_TK: int32/int64 [T, K] global ids, -1 none;
-    weights_TK: float32 [T, K]; done_1: int32 [1] zero, a counter of finished programs. Two kernels
-    (T / NUMBER_BLOCK programs each), no host sync."""
+    -1 when none of its ids is on r; epoch_1 int32 [1]: this call's epoch (seq_1 after its increment
+    on the device). Stores the tokens and the (token, slot) pairs sent to rank r into r's "recv_count"
+    and "pairs" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's destination-local ids and
+    weights into each destination's "recv_ids" / "recv_w" at the token's slot, then signals r's
+    "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers). ids_TK: int32/int64
+    [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero: a counter of the
+    second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
     slot_TR = torch.empty(T, R, dtype=torch.int32, device=dev)
-    counts_R = torch.empty(R, dtype=torch.int32, device=dev)
     epoch_1 = torch.empty(1, dtype=torch.int32, device=dev)
     NT = max(1, triton.cdiv(T, NUMBER_BLOCK))
     table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
     BLOCK_R = triton.next_power_of_2(R)
     _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, seq_1, epoch_1, T, NT, R=R, K=K, L=num_local_experts,
                                 BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
-    _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, counts_R, seq_1, epoch_1, done_1,
+    _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, seq_1, epoch_1, done_1,
                               peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
-                              peers["pairs_flag"], peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K,
-                              L=num_local_experts, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, BLOCK_NT=NUMBER_STEP, num_warps=4)
-    return slot_TR, counts_R, epoch_1
+                              peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K, L=num_local_experts,
+                              BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R,
+                              BLOCK_NT=NUMBER_STEP, num_warps=4)
+    return slot_TR, epoch_1
 
 
-def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, meta_flag_R: torch.Tensor, epoch_1: torch.Tensor
-               ) -> torch.Tensor:
+def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
     """int32 [1]: the (token, slot) pairs this rank receives in epoch epoch_1 from all ranks, once every
-    rank's `number_pairs` of that epoch has signalled both flags (spins on the device until then:
-    the counts and the ids are here after it)."""
+    rank's `number_pairs` of that epoch has signalled flag_R (spins on the device until then; the
+    counts, ids and weights are here after it)."""
     R = flag_R.shape[0]
     out = torch.empty(1, dtype=torch.int32, device=flag_R.device)
-    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, meta_flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R),
-                             num_warps=1)
+    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
     return out
 
 
