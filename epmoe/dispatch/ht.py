@@ -278,8 +278,8 @@ class HtDispatcher(Dispatcher):
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
-        # slots, counts, this call's epoch (seq + 1, on the device: graph-replayable), and the tokens and
-        # pairs every destination receives (stored there); then the ids and weights, then the rows
+        # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
+        # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
                                                 self.capacity, L, self._peers, self.rank)
         slot = None
