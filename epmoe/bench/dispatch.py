@@ -6,7 +6,8 @@
 
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
-(median after warm-up; two input sets alternate; a ~0.2 ms device spin between dispatch and combine stands
+(median after warm-up; two input sets alternate; each call starts after a small all_reduce so that
+the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
 in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
 - time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
   rows; and layout: the rest until the batch is ready) and combine (us), and of the `alltoall`
@@ -73,10 +74,14 @@ def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 
 
-def time_dispatcher(dispatcher, inputs, warmup: int, iters: int) -> dict[str, float]:
+def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
-    rows)."""
+    rows).
+
+    Each call starts after a small all_reduce over `group` (queued, not waited for by the host), so all
+    ranks' streams begin each dispatch together: without it the ranks can lock into a skewed phase in
+    which one rank's dispatch and another's combine each absorb the other's lag."""
     ht = hasattr(dispatcher, "_dispatch_wait")
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
@@ -84,10 +89,12 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int) -> dict[str, fl
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
+    tick = torch.zeros(1, device=inputs[0][0].device)
     dist.barrier()
     torch.cuda.synchronize()
     for i, (e0, e1, e2, e3, e4) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
+        dist.all_reduce(tick, group=group)
         e0.record()
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
@@ -136,10 +143,10 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
         sent_other = int(sent_R.sum() - sent_R[ctx.rank])
         recv_all, recv_other = int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
-        a2a_t = time_dispatcher(a2a, inputs, args.warmup, args.iters)
+        a2a_t = time_dispatcher(a2a, inputs, args.warmup, args.iters, ctx.group)
         a2a_d, a2a_c = a2a_t["dispatch"], a2a_t["combine"]
         for prec, ht in hts.items():
-            t = time_dispatcher(ht, inputs, args.warmup, args.iters)
+            t = time_dispatcher(ht, inputs, args.warmup, args.iters, ctx.group)
             d_us, c_us = t["dispatch"], t["combine"]
             row_b = D * 2 if prec == "bf16" else D + 4 * G
             rows.append(dict(
