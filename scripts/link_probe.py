@@ -90,7 +90,8 @@ def _rank(ctx, args):
     peer = 1 - ctx.rank
     peer_x = ws.handle.get_buffer(peer, (n, COLS), torch.bfloat16)
     local_x = ws.local("x")
-    src = torch.randn(n, COLS, device=ctx.device).to(torch.bfloat16) + ctx.rank
+    base = torch.randn(n, COLS, device=ctx.device, generator=torch.Generator(ctx.device).manual_seed(0))
+    src = (base + ctx.rank).to(torch.bfloat16)  # the same base on both ranks: the check below knows the peer's
     sink = torch.empty_like(src)
     tick = torch.zeros(1, device=ctx.device)
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
@@ -123,7 +124,7 @@ def _rank(ctx, args):
     # the data really moved: the last variant (copy) left src in the peer's buffer
     torch.cuda.synchronize()
     dist.barrier(ctx.group)
-    expect = src - ctx.rank + peer
+    expect = (base + peer).to(torch.bfloat16)
     rows.append(dict(rank=ctx.rank, name="data check", ok=bool(torch.equal(local_x, expect))))
     return rows
 

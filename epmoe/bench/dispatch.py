@@ -6,8 +6,8 @@
 
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
-(median after warm-up; two input sets alternate; each call starts after a small all_reduce so that
-the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
+(median after warm-up; two input sets alternate; each call starts from a barrier and a short device
+spin so that the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
 in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
 - time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
   rows; and layout: the rest until the batch is ready) and combine (us), and of the `alltoall`
@@ -72,6 +72,8 @@ def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
 # in a layer): the host queues the combine meanwhile, so the combine time is the GPU's, as in a layer,
 # not the host's launch latency after dispatch's host sync.
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
+# Before each timed call the stream spins this long while the host queues the dispatch's launches.
+ALIGN_CYCLES = 300_000  # ~0.15 ms
 
 
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
@@ -79,9 +81,11 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
     rows).
 
-    Each call starts after a small all_reduce over `group` (queued, not waited for by the host), so all
-    ranks' streams begin each dispatch together: without it the ranks can lock into a skewed phase in
-    which one rank's dispatch and another's combine each absorb the other's lag."""
+    Each call starts from a barrier over `group` (host and device idle on every rank), then a short
+    device spin (ALIGN_CYCLES) while the host queues the dispatch, so that all ranks' dispatches start
+    together and the time is the GPU's, not the host's launches. Without it the ranks can lock into a
+    skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
+    queued all_reduce before each call did not prevent it: the hosts' launch times differ)."""
     ht = hasattr(dispatcher, "_dispatch_wait")
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
@@ -89,12 +93,13 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
-    tick = torch.zeros(1, device=inputs[0][0].device)
     dist.barrier()
     torch.cuda.synchronize()
     for i, (e0, e1, e2, e3, e4) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
-        dist.all_reduce(tick, group=group)
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        torch.cuda._sleep(ALIGN_CYCLES)
         e0.record()
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
