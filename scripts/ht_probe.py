@@ -1,5 +1,5 @@
 """Probe of the `ht` launch settings on 2 GPUs: programs and warps of the dispatch send and the combine
-send kernels, at one size (default T 4096, D 7168, K 8, E 256), bf16 and fp8 dispatch.
+kernels, the combine's tiles and lag, at one size (default T 4096, D 7168, K 8, E 256), bf16 and fp8 dispatch.
 
     python3 scripts/ht_probe.py [--tokens 4096] [--iters 20] [--profile OUT_DIR]
 
@@ -20,37 +20,34 @@ from epmoe.bench.dispatch import NVLINK_ENV, random_inputs, time_dispatcher
 from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
-# (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps[, combine send
-# columns per load, elements per step]); each new setting costs a compile of the send kernels
+# (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps[, combine columns
+# per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
 def _rank(ctx, args):
     from epmoe.dispatch.ht import HtDispatcher
-    from epmoe.kernels import ht as kernels
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
     out = []
-    default_tiles = (kernels.COMBINE_CHUNK, kernels.COMBINE_STEP)
     for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
         default = HtDispatcher(cfg, ctx.group).launch
         kept = []  # every workspace stays allocated to the end: no symmetric-memory frees between settings
         for dp, dw, cp, cw, *tiles in args.settings:
-            kernels.COMBINE_CHUNK, kernels.COMBINE_STEP = tiles or default_tiles
+            combine = dict(zip(("combine_chunk", "combine_step", "combine_lag"), tiles))
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
             d = HtDispatcher(cfg, ctx.group, launch=dataclasses.replace(
-                default, programs=dp * sms, num_warps=dw, combine_programs=cp * sms, combine_warps=cw))
+                default, programs=dp * sms, num_warps=dw, combine_programs=cp * sms, combine_warps=cw, **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
             out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw, *tiles), **t))
             print(f"rank {ctx.rank} {quant or 'bf16':>9} dispatch {dp}/SM x {dw} warps, combine {cp}/SM x {cw} "
                   f"warps {tiles}: xfer {t['transfer']:.0f} us, dispatch {t['dispatch']:.0f} us, "
                   f"combine {t['combine']:.0f} us", flush=True)
-    kernels.COMBINE_CHUNK, kernels.COMBINE_STEP = default_tiles
     return out
 
 
@@ -86,12 +83,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=150, help="seconds before the ranks are killed")
     p.add_argument("--settings", default=";".join(",".join(map(str, s)) for s in SETTINGS),
-                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps[,chunk,step]'")
+                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps[,chunk,step[,lag]]'")
     p.add_argument("--fp8-only", action="store_true")
     p.add_argument("--bf16-only", action="store_true")
     p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
     args = p.parse_args()
-    args.settings = [tuple(int(v) for v in item.split(",")) for item in args.settings.split(";")]
+    args.settings = [tuple(float(v) if "." in v else int(v) for v in item.split(",")) for item in args.settings.split(";")]
     args.quants = [q for q, skip in ((None, args.fp8_only), ("fp8_block", args.bf16_only)) if not skip]
     for key, value in NVLINK_ENV.items():
         os.environ.setdefault(key, value)
@@ -100,11 +97,11 @@ def main() -> None:
         spawn(_profile, 2, "cuda", (args,), timeout_s=args.timeout)
         return
     per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=args.timeout)
-    print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps[,chunk,step]':>32}   xfer us   disp us   comb us"
+    print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps[,chunk,step,lag]':>36}   xfer us   disp us   comb us"
           f"  (rank 0 / 1)")
     for a, b in zip(*per_rank):
         dp, dw, *comb = a["setting"]
-        print(f"{a['quant']:>5} {f'{dp},{dw}':>18} {','.join(map(str, comb)):>32}   "
+        print(f"{a['quant']:>5} {f'{dp},{dw}':>18} {','.join(map(str, comb)):>36}   "
               f"{a['transfer']:4.0f}/{b['transfer']:<4.0f} {a['dispatch']:4.0f}/{b['dispatch']:<4.0f} "
               f"{a['combine']:4.0f}/{b['combine']:<4.0f}", flush=True)
 

@@ -36,8 +36,8 @@ def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def spill_bytes(kernel) -> int:
-    """Stack bytes per thread from cuobjdump's resource usage (0 when it is not available)."""
+def _resource_usage(kernel, key: str) -> int:
+    """Sum of `key` (e.g. STACK, REG) over cuobjdump's resource usage of the kernel (0 without cuobjdump)."""
     if not CUOBJDUMP.exists():
         return 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +45,17 @@ def spill_bytes(kernel) -> int:
         path.write_bytes(kernel.asm["cubin"])
         out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(path)], capture_output=True,
                              text=True).stdout
-    return sum(int(word.split(":")[1]) for word in out.split() if word.startswith("STACK:"))
+    return sum(int(word.split(":")[1]) for word in out.split() if word.startswith(f"{key}:"))
+
+
+def spill_bytes(kernel) -> int:
+    """Stack bytes per thread (register spills)."""
+    return _resource_usage(kernel, "STACK")
+
+
+def registers(kernel) -> int:
+    """Registers per thread (0 when cuobjdump is not available)."""
+    return _resource_usage(kernel, "REG")
 
 
 def main() -> None:

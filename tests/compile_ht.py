@@ -7,10 +7,11 @@ import sys
 
 import triton
 
-from compile_hopper import compile_hopper, spill_bytes
+from compile_hopper import compile_hopper, registers, spill_bytes
 from epmoe.kernels import ht as k
 
 SMS = 132
+COMBINE_REGISTERS = 128  # 4 programs of 4 warps an SM (65536 registers)
 
 
 def check(tag, kernel, failures, vector):
@@ -25,7 +26,7 @@ def check(tag, kernel, failures, vector):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=4 * SMS, combine_warps=4, reduce_programs=4 * SMS)
+    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=4 * SMS, combine_warps=4)
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
@@ -37,18 +38,22 @@ def main() -> None:
                      flag_peers="*i64", T="i32", rank="i32", C="i32"),
                 dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "slot_ptr"], warps, 1), failures, big)
-        chunk, rows = k.combine_tiles(D)
-        check(f"combine_send D{D} K{K}", compile_hopper(
-            k._combine_send_kernel,
-            dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", comb_peers="*i64",
-                 flag_peers="*i64", rank="i32", C="i32"),
-            dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-                 PROGRAMS=launch.combine_programs), ["y_ptr", "pos_ptr", "w_ptr"], launch.combine_warps, 1), failures, big)
-        check(f"combine_reduce D{D}", compile_hopper(
-            k._combine_reduce_kernel,
-            dict(out_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", comb_ptr="*bf16", T="i32", C="i32"),
-            dict(R=2, D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D)),
-            ["out_ptr", "slot_ptr", "comb_ptr"], warps, 1), failures, big)
+        chunk, rows = launch.combine_tiles(D)
+        for remote, local in ((True, True), (False, True)):  # real ranks; the local half of emulated ones
+            kernel = compile_hopper(
+                k._combine_kernel,
+                dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", slot_ptr="*i32", seq_ptr="*i32",
+                     comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i32", ready_peers="*i64", ticket_ptr="*i32",
+                     out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
+                dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+                     REMOTE=remote, LOCAL=local), ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"],
+                launch.combine_warps, 1)
+            tag = f"combine D{D} K{K} remote={remote} local={local}"
+            check(tag, kernel, failures, big)
+            regs = registers(kernel)
+            print(f"{tag}: {regs} registers")
+            if big and remote and regs > COMBINE_REGISTERS:
+                failures.append(f"{tag}: {regs} registers, more than {COMBINE_REGISTERS} (4 programs an SM)")
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(

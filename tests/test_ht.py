@@ -199,7 +199,7 @@ def test_round_trip_exact(R, E, K, D, Ts, routing):
 
 
 def test_combine_in_column_chunks(monkeypatch):
-    """The combine send gathers a row in column chunks: three of 32 columns for D 72 (the last one
+    """The combine gathers a row in column chunks: three of 32 columns for D 72 (the last one
     partial), two rows a step."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "COMBINE_CHUNK", 32)
@@ -452,20 +452,28 @@ _GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for
 
 def _gpu_exact(ctx, quant, calls):
     """Each case: `calls` dispatches with new inputs, two in flight at a time (dispatch n, dispatch n+1,
-    then their combines), with and without sync_free."""
+    then their combines), with and without sync_free; the first two cases also with one combine
+    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free)."""
+    import dataclasses
+
     from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.kernels.ht import ht_launch
     R = ctx.world_size
-    for (E, K, D_bf16, D_fp8, Ts, routing), sync_free in ((case, sf) for sf in (False, True)
-                                                          for case in _GPU_EXACT_CASES):
+    runs = [(case, sf, None) for sf in (False, True) for case in _GPU_EXACT_CASES]
+    runs += [(case, False, 1) for case in _GPU_EXACT_CASES[:2]]
+    for (E, K, D_bf16, D_fp8, Ts, routing), sync_free, combine_programs in runs:
         D = D_fp8 if quant else D_bf16
         E, Ts = multiple_of(E, R), (Ts * R)[:R]  # a token count per rank
         cfg = _cfg(E=E, K=K, D=D, C=max(Ts) + 3, quant=quant)
-        d = HtDispatcher(cfg, ctx.group, sync_free=sync_free)
+        launch = ht_launch(cfg.row_bytes, ctx.device)
+        if combine_programs:
+            launch = dataclasses.replace(launch, combine_programs=combine_programs)
+        d = HtDispatcher(cfg, ctx.group, sync_free=sync_free, launch=launch)
         L = cfg.num_experts // R
         for first in range(0, calls, 2):
             in_flight = []
             for call in range(first, min(first + 2, calls)):
-                case = (E, K, D, Ts, routing, sync_free, call)
+                case = (E, K, D, Ts, routing, sync_free, combine_programs, call)
                 inputs = [exact_inputs(cfg, r, T, routing, seed=20 + call) for r, T in enumerate(Ts)]
                 x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
                 b = d.dispatch(x, ids, w)

@@ -12,20 +12,31 @@ to the pairs received (not to the capacity C); the batch is a row index into the
 index (experts that do not get a materialized copy, see Experts.reads_row_index). The stream waits for
 the rows' signals and the layout. (Emulated ranks and sync_free mode: no side stream, the receive
 phase makes the layout after the rows.)
-Combine: the receiver reduces each received row's local results (fp32, top-k weights) into one row per
-(token, rank), stored into the source rank's combine region; the source waits, then sums its rows.
+Combine: one kernel whose programs take items by ticket. A remote item reduces rows received from a
+peer (their local results, fp32, top-k weights) into one row per (token, rank), stored into that peer's
+combine region, and stamps the item's ready flag there with the epoch. A local item, handed out about a
+wave of tickets later, waits for the ready flags of its tokens' partial rows and writes out[t] = its own
+local results (reduced the same way) + the peers' partial rows: the final sum overlaps the transfer, and
+this rank's own partial rows never go through memory. (Emulated ranks run the remote items of every rank,
+then the local ones.)
 
 Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
     recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs int32 [2, R] (tokens and
-    pairs from each rank), comb [2, R, C, D] cfg.dtype, meta_flag / dispatch_flag / combine_flag int64
-    [R] (monotonic: one add per call from the numbering, per sending program and call from the send
-    kernels), dispatch_seq / combine_seq int32 [1] (epochs, incremented on the device), number_done
-    int32 [1] (the numbering kernel's finished programs; used locally).
+    pairs from each rank), comb [2, R, C, D] cfg.dtype (row (r, s): rank r's partial row of this rank's
+    token in slot s there), comb_ready int32 [R, NI] (epoch of the latest combine item i that rank r
+    stored here; NI = kernels.combine_items), meta_flag / dispatch_flag int64 [R] (monotonic: one add
+    per call from the numbering, per sending program and call from the send kernel), dispatch_seq /
+    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and comb_ticket
+    int32 [2] (the numbering kernel's finished programs, the combine's tickets and finished programs;
+    used locally, back to 0 after each call).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
-n+2 comes after its combine n, which waited for every peer's combine send n, which each peer issued
-after running its experts on call n (the last reads of the region of call n, through the row index).
-So a region is never overwritten while a rank still reads it. This needs the experts to run on the
+n+2 comes after its combine n, which waited for every peer's remote combine items of call n, which
+each peer ran after its experts on call n (the last reads of the region of call n, through the row
+index). So a receive region is never overwritten while a rank still reads it. Likewise a peer's
+combine n+2 writes this rank's comb region of parity n only after its dispatch n+2 received this
+rank's rows of call n+2, sent after this rank's combine n had read that region; and a ready stamp of a
+later epoch is released after the same item of the earlier one, so it also means that item is here. This needs the experts to run on the
 stream that later issues the combine (so that the combine send follows their reads), and it is not
 enforced: a third dispatch before the first one's combine overwrites rows that may still be read. Calls
 must alternate send/receive per phase on every rank, and the batch's rows are valid until its combine.
@@ -103,8 +114,11 @@ class HtHandle:
 
 @dataclass(frozen=True)
 class HtCombinePending:
-    slot_TR: torch.Tensor
-    num_tokens: int
+    """What combine_send hands to combine_recv: the output, complete unless `local_args` (emulated
+    ranks: combine_recv runs the local half of the combine with them)."""
+
+    out_TD: torch.Tensor
+    local_args: tuple | None
 
 
 def _capturing() -> bool:
@@ -182,7 +196,8 @@ class HtDispatcher(Dispatcher):
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
         # host-synced mode over a process group: the batch size and layout are made on a side stream
         # while the rows travel (HtEarly)
-        self._early = not self.sync_free and not isinstance(group, EmulatedGroup)
+        self._emulated = isinstance(group, EmulatedGroup)
+        self._early = not self.sync_free and not self._emulated
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._early_slots = [HtEarlySlot(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
@@ -204,10 +219,11 @@ class HtDispatcher(Dispatcher):
             BufferSpec("recv_count", (2, R), torch.int32),
             BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
+            BufferSpec("comb_ready", (R, kernels.combine_items(C, D, self.launch)), torch.int32),
+            BufferSpec("comb_ticket", (2,), torch.int32),  # the combine's tickets and finished programs (local)
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
             BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
-            BufferSpec("combine_flag", (R,), torch.int64),
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
         ]
@@ -361,17 +377,21 @@ class HtDispatcher(Dispatcher):
                            row_index_N=lay.rows_N[:n])
 
     def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
+        """Real ranks: the whole combine, one kernel (it spins until the peers' partial rows of each of
+        its items are here). Emulated ranks, which run in turn: the remote half only."""
         h: HtHandle = batch.handle
         seq = self.ws.local("combine_seq")
         seq.add_(1)
-        kernels.combine_send(y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, seq, self._peers["comb"],
-                             self._peers["combine_flag"], self.rank, self.capacity, self.launch)
-        return HtCombinePending(slot_TR=h.slot_TR, num_tokens=h.num_tokens)
+        out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
+        args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, seq, self.ws.local("comb"),
+                self.ws.local("comb_ready"), self.ws.local("comb_ticket"), self._peers, out_TD, self.rank, self.launch)
+        kernels.combine(*args, remote=True, local=not self._emulated)
+        return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)
 
     def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
-        seq = self.ws.local("combine_seq")
-        kernels.wait_flags(self.ws.local("combine_flag"), seq, self.launch.combine_programs)
-        return kernels.combine_reduce(self.ws.local("comb"), pending.slot_TR, seq, self.launch)
+        if pending.local_args is not None:
+            kernels.combine(*pending.local_args, remote=False, local=True)
+        return pending.out_TD
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:
         return self._dispatch_recv(self._dispatch_send(x_TD, ids_TK, weights_TK))

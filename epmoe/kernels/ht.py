@@ -2,8 +2,9 @@
 
 Every peer buffer is reached through an int64 table of its address on each rank (epmoe/symm.py); a
 kernel casts `table[r]` to a pointer. Buffers that change per call exist twice (parity = epoch % 2,
-the epoch being a device counter in the workspace), flags are monotonic counters: a sender adds 1 per
-signalling program (or once) per call, a receiver waits until a flag reaches epoch * programs.
+the epoch being a device counter in the workspace), flags are monotonic: a sender adds 1 per
+signalling program (or once) per call and a receiver waits until a flag reaches epoch * programs, or
+(the combine's per-item flags) the sender stores the epoch and the receiver waits until it is there.
 
 The sender numbers its (token, destination) pairs in two kernels (per-block counts, then the prefix
 over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
@@ -13,6 +14,9 @@ rows travel. The layout (expert-sorted batch) costs work proportional to the (ro
 received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
 received rows (blocks past a source's count do nothing) and write each batch row's index into the
 receive buffer, which the experts read through; the counts are read on the device.
+
+The combine is one kernel of items taken by ticket (`_combine_kernel`): remote items send peers their
+tokens' partial rows, local items, trailing them, sum this rank's tokens as their partial rows arrive.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R ranks,
 C capacity (max tokens per rank), P = R*C receive rows, G = ceil(D / 128) fp8 scale groups,
@@ -31,47 +35,62 @@ from ..config import FP8_BLOCK
 
 @dataclass(frozen=True)
 class HtLaunch:
-    """Launch config of the ht kernels: `programs` persistent programs of the dispatch send kernel and
-    `combine_programs` of the combine send kernel (the same on every rank, and fixed for a workspace's
-    lifetime: flags count one signal per program and call), with `num_warps` / `combine_warps` each;
-    `rows(D)` rows per program step in the dispatch send and the final combine sum (the combine send's
-    tiles: `combine_tiles`)."""
+    """Launch config of the ht kernels (the same on every rank, fixed for a workspace's lifetime: flags
+    count one signal per program and call, and the combine's ready flags are per item of its rows).
+
+    programs, num_warps: persistent programs of the dispatch send kernel, and warps of each; `rows(D)`
+        rows per program step there.
+    combine_programs, combine_warps: programs of the combine kernel (they take items by ticket, so any
+        number is deadlock-free), and warps of each.
+    combine_chunk, combine_step: the combine gathers rows in column chunks of combine_chunk elements,
+        combine_step elements (rows x chunk) at a time; an item of its work is that many rows
+        (`combine_tiles`).
+    combine_lag: how far, in waves of combine_programs tickets, the combine's local items (sums of this
+        rank's tokens) trail its remote items (partial rows sent to the peers), so that a local item
+        rarely waits for the peers' partials.
+    """
 
     programs: int
     num_warps: int
     combine_programs: int
     combine_warps: int
-    reduce_programs: int  # programs of the final combine sum (no spinning)
+    combine_chunk: int = 1024
+    combine_step: int = 2048
+    combine_lag: float = 1.0
 
     @staticmethod
     def rows(hidden: int) -> int:
-        """Rows a send/reduce program has in flight per step: about 16K elements of (padded) row."""
+        """Rows a dispatch send program has in flight per step: about 16K elements of (padded) row."""
         return max(1, min(4, 16384 // triton.next_power_of_2(hidden)))
+
+    def combine_tiles(self, hidden: int) -> tuple[int, int]:
+        """(columns per gathered load, rows per step and item) of the combine kernel for rows of `hidden`."""
+        chunk = min(triton.next_power_of_2(hidden), self.combine_chunk)
+        return chunk, max(1, self.combine_step // chunk)
+
+    def combine_lag_iterations(self, world_size: int) -> int:
+        """combine_lag in iterations of the ticket order (world_size tickets each)."""
+        return -(-int(self.combine_lag * self.combine_programs) // world_size)
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     """Pure function of the row size and the device: one dispatch send program per SM on a GPU (peer
     stores measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66); four combine
-    send programs of 4 warps per SM (as many as fit, for the gathers of expert rows: 240 us per
-    4096-token bf16 combine on 2 H200s against 346-360 with one program of 8 warps, scripts/ht_probe.py,
-    2026-11-30); four programs of the final combine sum per SM; a few programs under the interpreter."""
+    programs of 4 warps per SM (as many as fit, for the gathers of expert rows: 240 us per 4096-token
+    bf16 combine on 2 H200s against 346-360 with one program of 8 warps, scripts/ht_probe.py,
+    2026-11-30); a few programs under the interpreter. Combine tiles: COMBINE_CHUNK, COMBINE_STEP."""
+    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, reduce_programs=2)
+        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, reduce_programs=4 * sms)
+    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
 
 
-# combine send: columns per gathered load, and elements (rows x columns) per program step (114
-# registers a thread at D 7168, K 8, 4 warps: four programs fit on an SM)
+# combine: columns per gathered load, and elements (rows x columns) per program step (114 registers a
+# thread at D 7168, K 8, 4 warps: four programs fit on an SM)
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
-
-
-def combine_tiles(hidden: int) -> tuple[int, int]:
-    """(columns per gathered load, rows per step) of the combine send kernel for rows of `hidden`."""
-    chunk = min(triton.next_power_of_2(hidden), COMBINE_CHUNK)
-    return chunk, max(1, COMBINE_STEP // chunk)
 
 
 @dataclass(frozen=True)
@@ -193,14 +212,21 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
 
 
 @triton.jit
+def _spin_until(flag_ptr, target):
+    """Spin until flag_ptr[0] >= target (acquire, system scope: what the signaller stored before its
+    release is visible after)."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    while seen < target:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
 def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
     """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
     system scope), then out[0] = the (token, slot) pairs received from all ranks."""
     epoch = tl.load(epoch_ptr)
     for r in tl.static_range(R):
-        seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
-        while seen < epoch:
-            seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
+        _spin_until(flag_ptr + r, epoch)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
     pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
@@ -252,81 +278,132 @@ def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
     """One program: spin until every source rank's flag reaches epoch * PROGRAMS (acquire, system scope)."""
     target = tl.load(seq_ptr).to(tl.int64) * PROGRAMS
     for r in tl.static_range(R):
-        seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
-        while seen < target:
-            seen = tl.atomic_add(flag_ptr + r, 0, sem="acquire", scope="sys")
+        _spin_until(flag_ptr + r, target)
 
 
 @triton.jit
-def _reduce_rows(y_ptr, pos_ptr, w_ptr, p, smask, dst, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """dst[i, :] = sum_k w[p_i, k] * y[pos[p_i, k], :] in fp32 (pos -1: none, k ascending) for the
-    ROWS received rows p where smask; dst: [ROWS] row pointers. CHUNK columns at a time, the K
-    gathered loads of a chunk independent of each other (all in flight at once)."""
-    cols = tl.arange(0, CHUNK)
+def _pairs_of_rows(pos_ptr, w_ptr, p, smask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """pos [ROWS, BLOCK_K] (batch row of each pair, -1 none) and weights of received rows p where smask."""
     kk = tl.arange(0, BLOCK_K)
     pair = smask[:, None] & (kk < K)[None, :]
-    pos_RK = tl.load(pos_ptr + p[:, None] * K + kk[None, :], mask=pair, other=-1)
-    w_RK = tl.load(w_ptr + p[:, None] * K + kk[None, :], mask=pair, other=0.0)
+    at = p.to(tl.int64)[:, None] * K + kk[None, :]
+    return tl.load(pos_ptr + at, mask=pair, other=-1), tl.load(w_ptr + at, mask=pair, other=0.0)
+
+
+@triton.jit
+def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """[ROWS, CHUNK] fp32: sum_k w[i, k] * y[pos[i, k], c] (pos -1: none, k ascending); the K gathered
+    loads are independent of each other (all in flight at once)."""
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    for k in tl.static_range(K):
+        pick = (kk == k)[None, :]
+        pos = tl.sum(tl.where(pick, pos_RK, 0), axis=1)
+        w = tl.sum(tl.where(pick, w_RK, 0.0), axis=1)
+        y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + c[None, :],
+                    mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
+        acc += w[:, None] * y.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
+                         R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
+    row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
+    slot); then ready[rank, i] = epoch on r (release, system scope)."""
+    s = i * ROWS + tl.arange(0, ROWS)
+    smask = s < count
+    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
+    dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C + s).to(tl.int64)[:, None] * D
+    cols = tl.arange(0, CHUNK)
     for c0 in tl.static_range(0, D, CHUNK):
         c = c0 + cols
         cmask = c < D
-        acc = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
-        for k in tl.static_range(K):
-            pick = (kk == k)[None, :]
-            pos = tl.sum(tl.where(pick, pos_RK, 0), axis=1)
-            w = tl.sum(tl.where(pick, w_RK, 0.0), axis=1)
-            y = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * D + c[None, :],
-                        mask=(pos >= 0)[:, None] & cmask[None, :], other=0.0)
-            acc += w[:, None] * y.to(tl.float32)
-        tl.store(tl.multiple_of(dst[:, None] + c[None, :], [1, 16]),
-                 acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
+        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+        tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=smask[:, None] & cmask[None, :])
+    tl.debug_barrier()  # every thread's stores are issued before the one release below
+    tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
-def _combine_send_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, seq_ptr, comb_peers, flag_peers, rank,
-                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                         CHUNK: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
-    """For each received row (source r, slot s): its reduced local results (`_reduce_rows`) stored
-    into rank r's combine region at (this rank, s); ROWS rows per program step; program pid takes
-    source ranks in the order pid, pid + 1, ... (mod R); then one signal per peer."""
-    pid = tl.program_id(0)
-    parity = tl.load(seq_ptr) % 2
-    for i in tl.static_range(R):
-        # programs start at different source ranks: while some store over the link, others store
-        # locally (rank's own rows), instead of all programs going through the ranks in step
-        r = (pid + i) % R
-        count = tl.load(count_ptr + r)
-        dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C).to(tl.int64) * D
-        for first in range(pid * ROWS, count, PROGRAMS * ROWS):
-            s = first + tl.arange(0, ROWS)
-            _reduce_rows(y_ptr, pos_ptr, w_ptr, r * C + s, s < count, dst_rows + s.to(tl.int64) * D,
-                         D, K, BLOCK_K, CHUNK, ROWS)
-    _signal(flag_peers, rank, R)
-
-
-@triton.jit
-def _combine_reduce_kernel(out_ptr, slot_ptr, seq_ptr, comb_ptr, T,
-                           R: tl.constexpr, C, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           ROWS: tl.constexpr):
-    """out[t] = sum over ranks r with slot[t, r] >= 0 of comb[parity, r, slot], fp32, in rank order;
-    ROWS tokens per program step (the grid, however many programs T needs, is no compile-time constant)."""
-    pid = tl.program_id(0)
-    parity = tl.load(seq_ptr) % 2
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    for first in range(pid * ROWS, T, tl.num_programs(0) * ROWS):
-        t = first + tl.arange(0, ROWS)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, ready_ptr, out_ptr, j, T, parity, epoch, rank,
+                        R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """Item j of this rank's tokens (t in [j * ROWS, (j + 1) * ROWS) below T): waits until every peer r
+    has stored the items holding these tokens' partial rows (ready[r, item] >= epoch), then out[t] =
+    (its own weighted local results, rounded to y's dtype) + the peers' partial rows in rank order, fp32.
+    Slots are read as scalars and per-rank vectors (reductions over a [ROWS, R] tile cost registers)."""
+    t = j * ROWS + tl.arange(0, ROWS)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    for r in tl.static_range(R):
+        if r != rank:
+            for row in tl.static_range(ROWS):
+                if j * ROWS + row < T:
+                    s = tl.load(slot_ptr + (j * ROWS + row).to(tl.int64) * R + r)
+                    if s >= 0:
+                        _spin_until(ready_ptr + r * NI + s // ROWS, epoch)
+    own = tl.load(slot_ptr + t64 * R + rank, mask=tmask, other=-1)
+    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, rank * C + own, own >= 0, K, BLOCK_K)
+    cols = tl.arange(0, CHUNK)
+    for c0 in tl.static_range(0, D, CHUNK):
+        c = c0 + cols
+        cmask = c < D
+        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+        acc = acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
-            row_at = ((parity * R + r) * C + tl.maximum(slot, 0)).to(tl.int64)
-            acc += tl.load(comb_ptr + row_at[:, None] * D + cols[None, :],
-                           mask=(slot >= 0)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        tl.store(out_ptr + t64[:, None] * D + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tmask[:, None] & cmask[None, :])
+            s_r = tl.load(slot_ptr + t64 * R + r, mask=tmask & (tl.full([ROWS], r, tl.int32) != rank), other=-1)
+            row_at = ((parity * R + r) * C + tl.maximum(s_r, 0)).to(tl.int64)
+            part = tl.load(comb_ptr + row_at[:, None] * D + c[None, :], mask=(s_r >= 0)[:, None] & cmask[None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc += part.to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * D + c[None, :], acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_ptr, comb_peers, ready_ptr, ready_peers,
+                    ticket_ptr, out_ptr, T, rank, lag, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+                    REMOTE: tl.constexpr, LOCAL: tl.constexpr):
+    """Programs take tickets (ticket[0], counted up) in the order: iteration i = ticket // R holds the
+    remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
+    i - lag (LOCAL). A local item waits only for peers' remote items of no larger index, which every
+    rank hands out before it, to programs that never wait: any number of programs, resident or not,
+    finishes. The last program to finish (counter ticket[1]) sets both counters back to 0."""
+    epoch = tl.load(seq_ptr)
+    parity = epoch % 2
+    items = 0
+    if REMOTE:
+        for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
+            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), ROWS), 0))
+    if LOCAL:
+        items = tl.maximum(items, tl.cdiv(T, ROWS))
+    total = (items + lag) * R
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    while ticket < total:
+        i = ticket // R
+        q = ticket % R
+        if q < R - 1:
+            if REMOTE:
+                r = (rank + 1 + q) % R
+                count = tl.load(count_ptr + r)
+                if i * ROWS < count:
+                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
+                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+        elif LOCAL:
+            j = i - lag
+            if (j >= 0) & (j * ROWS < T):
+                _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, ready_ptr, out_ptr, j, T, parity,
+                                    epoch, rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+        ticket = tl.atomic_add(ticket_ptr, 1)
+    if tl.atomic_add(ticket_ptr + 1, 1) == tl.num_programs(0) - 1:
+        tl.store(ticket_ptr, 0)
+        tl.store(ticket_ptr + 1, 0)
 
 
 @triton.jit
@@ -487,35 +564,37 @@ def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int) -> None
     _wait_kernel[(1,)](flag_R, seq_1, R=flag_R.shape[0], PROGRAMS=programs, num_warps=1)
 
 
-def combine_send(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
-                 seq_1: torch.Tensor, comb_peers_R: torch.Tensor, flag_peers_R: torch.Tensor, rank: int,
-                 capacity: int, launch: HtLaunch) -> None:
-    """Reduce each received row's local results and store it into its source rank's combine region.
+def combine_items(capacity: int, hidden: int, launch: HtLaunch) -> int:
+    """NI: items (of combine_tiles(hidden)[1] rows) of one source rank's receive region: the combine's
+    ready flags per source rank."""
+    return -(-capacity // launch.combine_tiles(hidden)[1])
 
-    y_ND: expert outputs, cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot) pair,
-    -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank.
+
+def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
+            slot_TR: torch.Tensor, seq_1: torch.Tensor, comb_2RCD: torch.Tensor, ready_RI: torch.Tensor,
+            ticket_2: torch.Tensor, peers: dict[str, torch.Tensor], out_TD: torch.Tensor, rank: int,
+            launch: HtLaunch, remote: bool, local: bool) -> None:
+    """The combine, or one half of it. remote: reduce each row received from a peer (its local
+    results, weighted, fp32, rounded to y's dtype) into the peer's "comb" region and stamp the peer's
+    "comb_ready" flag of its item with the epoch. local: out_TD[t] = this rank's own reduced row of
+    token t + the peers' partial rows (rank order), once they are there (spins on ready_RI). Both at
+    once (real ranks: one kernel, the local items trailing the remote ones by launch.combine_lag), or
+    remote on every rank and then local (emulated ranks, which run in turn).
+
+    y_ND: expert outputs [N, D] cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot)
+    pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
+    slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int32 [1] the call's
+    epoch (already incremented); comb_2RCD: this rank's combine region; ready_RI: int32 [R, NI] this
+    rank's ready flags (combine_items); ticket_2: int32 [2], zero (restored after); peers: address
+    tables of "comb" and "comb_ready"; out_TD: [T, D] y's dtype, written by the local half.
     """
-    N, D = y_ND.shape
-    R, K = counts_R.shape[0], pos_PK.shape[1]
-    chunk, rows = combine_tiles(D)
-    _combine_send_kernel[(launch.combine_programs,)](
-        y_ND, pos_PK, weights_PK, counts_R, seq_1, comb_peers_R, flag_peers_R, rank,
-        R=R, C=capacity, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-        PROGRAMS=launch.combine_programs, num_warps=launch.combine_warps)
-
-
-def combine_reduce(comb_2RCD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, launch: HtLaunch) -> torch.Tensor:
-    """out_TD[t] = sum of the partial rows the ranks returned for token t (fp32), in comb's dtype."""
     _, R, C, D = comb_2RCD.shape
-    T = slot_TR.shape[0]
-    out_TD = torch.empty(T, D, dtype=comb_2RCD.dtype, device=comb_2RCD.device)
-    if T:
-        rows = launch.rows(D)
-        programs = max(1, min(-(-T // rows), launch.reduce_programs))
-        _combine_reduce_kernel[(programs,)](
-            out_TD, slot_TR, seq_1, comb_2RCD, T, R=R, C=C, D=D, BLOCK_D=triton.next_power_of_2(D),
-            ROWS=rows, num_warps=launch.num_warps)
-    return out_TD
+    T, K = slot_TR.shape[0], pos_PK.shape[1]
+    chunk, rows = launch.combine_tiles(D)
+    _combine_kernel[(launch.combine_programs,)](
+        y_ND, pos_PK, weights_PK, counts_R, slot_TR, seq_1, comb_2RCD, peers["comb"], ready_RI, peers["comb_ready"],
+        ticket_2, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
+        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, REMOTE=remote, LOCAL=local, num_warps=launch.combine_warps)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
