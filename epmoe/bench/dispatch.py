@@ -16,7 +16,8 @@ in for the experts, so the host queues the combine as it would in a layer). Repo
 - link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
   [+ fp8 scales] of each (token, other rank) pair; combine: one bf16 row per (token, rank) pair it returns);
   the NVLink limit is 478 GB/s per direction;
-- DeepEP's metric: all received rows including the local share (hidden bytes, + scales for fp8) per second.
+- DeepEP's metric: all received rows including the local share (hidden bytes, + scales for fp8) per second;
+- host us: the host's time to queue one dispatch (Python and launches; the GPU time above excludes it).
 The ht dispatchers are built per T with max_tokens_per_rank = T (a layer sizes them to its batch; the
 layout's cost follows the rows received either way). Writes OUT_DIR/bench_dispatch.json and prints a
 table. Runs well under 90 s.
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,8 +74,9 @@ def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
 # in a layer): the host queues the combine meanwhile, so the combine time is the GPU's, as in a layer,
 # not the host's launch latency after dispatch's host sync.
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
-# Before each timed call the stream spins this long while the host queues the dispatch's launches.
-ALIGN_CYCLES = 300_000  # ~0.15 ms
+# Before each timed call the stream spins this long while the host queues the dispatch's launches
+# (~0.4 ms for an ht dispatch on the H200 machine's host, 2026-11-30).
+ALIGN_CYCLES = 2_000_000  # ~1 ms
 
 
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
@@ -81,11 +84,13 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
     rows).
 
-    Each call starts from a barrier over `group` (host and device idle on every rank), then a short
-    device spin (ALIGN_CYCLES) while the host queues the dispatch, so that all ranks' dispatches start
+    Each call starts from a barrier over `group` (host and device idle on every rank), then a device
+    spin (ALIGN_CYCLES) while the host queues the dispatch, so that all ranks' dispatches start
     together and the time is the GPU's, not the host's launches. Without it the ranks can lock into a
     skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
-    queued all_reduce before each call did not prevent it: the hosts' launch times differ)."""
+    queued all_reduce before each call did not prevent it: the hosts' launch times differ). Also
+    returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send and the
+    wait; the others: the whole dispatch call, sync included)."""
     ht = hasattr(dispatcher, "_dispatch_wait")
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
@@ -93,6 +98,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
+    host = []
     dist.barrier()
     torch.cuda.synchronize()
     for i, (e0, e1, e2, e3, e4) in enumerate(ev):
@@ -101,13 +107,16 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         dist.barrier(group=group)
         torch.cuda._sleep(ALIGN_CYCLES)
         e0.record()
+        t0 = time.perf_counter()
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
             dispatcher._dispatch_wait()
+            host.append(time.perf_counter() - t0)
             e1.record()
             b = dispatcher._expert_batch(pending)
         else:
             b = dispatcher._dispatch(x, ids, w)
+            host.append(time.perf_counter() - t0)
             e1.record()
         e2.record()
         torch.cuda._sleep(EXPERTS_STAND_IN_CYCLES)
@@ -119,7 +128,8 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     def median(a: int, z: int) -> float:
         return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])
 
-    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(3, 4))
+    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(3, 4),
+                host=statistics.median(host[warmup:]) * 1e6)
 
 
 def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
@@ -156,7 +166,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
             row_b = D * 2 if prec == "bf16" else D + 4 * G
             rows.append(dict(
                 rank=ctx.rank, tokens=T, precision=prec, dispatch_us=d_us, combine_us=c_us,
-                transfer_us=t["transfer"], layout_us=d_us - t["transfer"],
+                transfer_us=t["transfer"], layout_us=d_us - t["transfer"], host_us=t["host"],
                 transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
                 dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
                 combine_link_GBps=recv_other * D * 2 / c_us / 1e3,
@@ -172,7 +182,8 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
 
 def _table(rows: list[dict]) -> str:
     head = ("rank", "T", "prec", "disp us", "(xfer", "layout)", "comb us", "xfer link GB/s", "disp link GB/s",
-            "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a")
+            "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a",
+            "host us")
     lines = [" | ".join(head)]
     for r in rows:
         lines.append(" | ".join([
@@ -180,7 +191,7 @@ def _table(rows: list[dict]) -> str:
             f"{r['layout_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
             f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
             f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",
-            f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}"]))
+            f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}", f"{r['host_us']:.0f}"]))
     return "\n".join(lines)
 
 
@@ -200,13 +211,13 @@ def main(argv: list[str]) -> None:
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
     print(f"ht: {rows[0]['ht_programs']} programs for the dispatch send kernel and {rows[0]['ht_combine_programs']} "
-          f"for the combine send kernel ({rows[0]['sms']} SMs); 1 program waits for the rows, 1 (side stream) for "
-          f"the sizes and ids; the final combine sum uses up to {4 * rows[0]['sms']} programs (no spinning); "
-          f"capacity (max_tokens_per_rank) = T of each row")
+          f"for the combine kernel ({rows[0]['sms']} SMs); 1 program waits for the rows, 1 (side stream) for "
+          f"the sizes and ids; capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
           f"disp = xfer (numbering + send kernel + wait for every rank's rows) + layout (the rest: waiting for the "
-          f"expert-sorted row index, made on a side stream during the transfer, and the host's read of the size)")
+          f"expert-sorted row index, made on a side stream during the transfer, and the host's read of the size); "
+          f"host = the host's time to queue a dispatch (ht: up to its host sync; alltoall: the whole call)")
     print(_table(rows))
     print(f"wrote {out / 'bench_dispatch.json'}")
 
