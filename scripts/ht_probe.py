@@ -6,13 +6,16 @@ kernels, the combine's tiles and lag, at one size (default T 4096, D 7168, K 8, 
 Prints, per setting, the median transfer / dispatch / combine time of each rank (epmoe.bench.dispatch
 timing). The winner goes into epmoe/kernels/ht.py `ht_launch`. With --profile, instead runs the default
 setting under torch.profiler and writes rank 0's kernel table and chrome trace per precision to OUT_DIR
-(where the time of a dispatch goes: kernels, host launches, host syncs).
+(where the time of a dispatch goes: kernels, host launches, host syncs), and a cProfile of the host's
+Python (*.host.txt: where the host's time to queue a call goes).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import os
+import pstats
 
 import torch
 
@@ -67,6 +70,9 @@ def _profile(ctx, args):
         time_dispatcher(d, inputs, warmup=3, iters=5)  # compile and warm up outside the profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time_dispatcher(d, inputs, warmup=0, iters=args.iters)
+        host = cProfile.Profile()  # the host's side: where the Python and launch time of a call goes
+        with host:
+            time_dispatcher(d, inputs, warmup=0, iters=args.iters)
         name = quant or "bf16"
         if ctx.rank == 0:
             out = os.path.join(args.profile, f"ht_profile_{name}")
@@ -74,6 +80,9 @@ def _profile(ctx, args):
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
             with open(out + ".txt", "w") as f:
                 f.write(table)
+            with open(out + ".host.txt", "w") as f:
+                pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(40)
+                pstats.Stats(host, stream=f).sort_stats("cumulative").print_stats(60)
             print(f"{name}: {t}\n{table}", flush=True)
 
 
