@@ -51,8 +51,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import check_rank
-    return run_ranks(check_rank, args.device, args.nproc, (args.seed,))
+    from .check import CASES, check_rank
+    names = [c.name for c in CASES] if args.cases is None else args.cases.split(",")
+    unknown = sorted(set(names) - {c.name for c in CASES})
+    if unknown:
+        raise SystemExit(f"epmoe check: unknown case(s) {unknown}; cases: {', '.join(c.name for c in CASES)}")
+    return run_ranks(check_rank, args.device, args.nproc, (args.seed, tuple(names)))
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -107,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "PASS/FAIL each; exit 1 on any failure")
     add_launch_arguments(check)
     check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--cases", default=None,
+                       help="comma-separated case names to run (default: all; names: epmoe.check.CASES)")
     sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer ... (options go to the benchmark)",
                    add_help=False)
     return parser

@@ -60,3 +60,28 @@ def test_bench_dispatch_mode_ll_goes_to_the_ll_module(monkeypatch, capsys):
 def test_parser_rejects_unknown_option():
     with pytest.raises(SystemExit):
         cli.main(["demo", "--nope"])
+
+
+def test_check_skips_chunked_batches_for_dispatchers_without_a_host_sync():
+    """`ll` refuses a batch the layer would have to chunk (it cannot agree on a chunk count without a host
+    sync): the check lists it as skipped for such a case, not as a FAIL; smaller batches keep it."""
+    from epmoe.check import without_chunkless
+    from epmoe.config import MoEConfig
+    from epmoe.testing import Plan
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens_per_rank=8)
+    todo = Plan(runs=[("ht", "triton"), ("ll", "triton"), ("ll", "reference")], skipped=[("local", "*", "x")])
+    kept = without_chunkless(todo, cfg, [20, 3])
+    assert kept.runs == [("ht", "triton")]
+    assert kept.skipped[0] == ("local", "*", "x") and [s[0] for s in kept.skipped[1:]] == ["ll"]
+    assert "max_tokens_per_rank" in kept.skipped[1][2]
+    assert without_chunkless(todo, cfg, [8, 3]) == todo
+
+
+def test_check_runs_the_cases_named():
+    r = _run("check", "--nproc", "2", "--cases", "one_expert")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
+    assert rows and all(line.split()[0] == "one_expert" for line in rows), rows
+    bad = _run("check", "--cases", "one_expert,nope")
+    assert bad.returncode != 0 and "unknown case(s) ['nope']" in bad.stderr
