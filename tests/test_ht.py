@@ -277,26 +277,39 @@ def test_two_dispatches_in_flight():
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
 
 
-@pytest.mark.parametrize("lag", [0.0, 2.0, 40.0])
-def test_one_kernel_combine_with_its_local_items_trailing(lag):
+@pytest.mark.parametrize("R,Ts,lag,dtype", [
+    (2, [11, 7], 0.0, torch.float32),
+    (2, [0, 11], 2.0, torch.float32),
+    (3, [12, 0, 5], 1.0, torch.float32),
+    (3, [9, 1, 12], 40.0, torch.bfloat16),
+])
+def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, lag, dtype):
     """The combine as real ranks run it (remote and local items in one kernel, local items `lag` waves of
-    tickets behind) on rank 1, between rank 0's remote half and its local half (the only order in which
-    emulated ranks, run in turn, cannot wait forever); a lag past every item (40 waves) leaves the local
-    items for the tickets after the remote ones. Two calls: both parities, ready stamps of two epochs."""
-    cfg = _cfg(E=8, K=4, D=72, C=12)
-    dispatchers = make_world(cfg, 2)
-    one_kernel = dispatchers[1]
-    one_kernel._emulated = False  # real ranks' path: its combine_send runs the whole combine
-    one_kernel.launch = dataclasses.replace(one_kernel.launch, combine_lag=lag)
-    for call in range(2):
-        inputs = [exact_inputs(cfg, r, T, "random", seed=60 + call, device=_EMU_DEVICE) for r, T in enumerate([11, 7])]
+    tickets behind; 40 waves: all of them after the remote ones) on each rank in turn, run after the
+    other ranks' remote halves and before their local halves (the only order in which emulated ranks,
+    run in turn, cannot wait forever). Items of 2 rows: several per peer; T 0 on a rank; two rounds, so
+    both parities and ready stamps of several epochs; the ticket counters are back to 0 after each."""
+    from epmoe.kernels import ht
+    monkeypatch.setattr(ht, "COMBINE_CHUNK", 32)
+    monkeypatch.setattr(ht, "COMBINE_STEP", 64)
+    cfg = _cfg(E=2 * R, K=2, D=64, C=12, dtype=dtype)
+    dispatchers = make_world(cfg, R)
+    assert dispatchers[0].launch.combine_tiles(cfg.hidden_size)[1] == 2
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else _COMBINE_TOL
+    for call, whole in enumerate(list(range(R)) * 2):
+        inputs = [exact_inputs(cfg, r, T, "holes", seed=70 + call, device=_EMU_DEVICE) for r, T in enumerate(Ts)]
         batches = emulate_dispatch(dispatchers, inputs)
-        ys = [expert_fn(b, cfg, r, 4) for r, b in enumerate(batches)]
-        remote_half = dispatchers[0].combine_send(ys[0], batches[0])
-        whole = one_kernel.combine_send(ys[1], batches[1])
-        outs = [dispatchers[0].combine_recv(remote_half), one_kernel.combine_recv(whole)]
+        ys = [expert_fn(b, cfg, r, 2) for r, b in enumerate(batches)]
+        for r, d in enumerate(dispatchers):
+            d._emulated = r != whole  # rank `whole` takes the real ranks' path: combine_send runs it all
+            d.launch = dataclasses.replace(d.launch, combine_lag=lag)
+        pending = {r: dispatchers[r].combine_send(ys[r], batches[r]) for r in range(R) if r != whole}
+        pending[whole] = dispatchers[whole].combine_send(ys[whole], batches[whole])
+        assert pending[whole].local_args is None
+        outs = [dispatchers[r].combine_recv(pending[r]) for r in range(R)]
         for r, (x, ids, w) in enumerate(inputs):
-            torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
+            torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, R, x, ids, w), **tol)
+        assert all(d.ws.local("comb_ticket").tolist() == [0, 0] for d in dispatchers)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8_block"])
@@ -425,6 +438,18 @@ def test_refuses_bad_input():
     with pytest.raises(ValueError, match="outside"):
         x, ids, w = exact_inputs(cfg, 0, 2, "random", seed=0, device=_EMU_DEVICE)
         d.dispatch_send(x, ids + cfg.num_experts, w)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("combine_lag", -1.0, "combine_lag"), ("combine_lag", float("nan"), "combine_lag"),
+    ("combine_step", 3000, "power of two"), ("combine_chunk", 1000, "power of two"),
+    ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1")])
+def test_launch_settings_are_checked(field, value, match):
+    from epmoe.kernels.ht import HtLaunch
+    good = dict(programs=2, num_warps=1, combine_programs=3, combine_warps=1)
+    HtLaunch(**good)
+    with pytest.raises(ValueError, match=match):
+        HtLaunch(**{**good, field: value})
 
 
 def test_cuda_device_gets_an_index(monkeypatch):

@@ -30,14 +30,17 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and comb_ticket
     int32 [2] (the numbering kernel's finished programs, the combine's tickets and finished programs;
     used locally, back to 0 after each call).
-Why two copies suffice: with at most two dispatches not yet combined on every rank, a rank's send
-n+2 comes after its combine n, which waited for every peer's remote combine items of call n, which
-each peer ran after its experts on call n (the last reads of the region of call n, through the row
-index). So a receive region is never overwritten while a rank still reads it. Likewise a peer's
-combine n+2 writes this rank's comb region of parity n only after its dispatch n+2 received this
-rank's rows of call n+2, sent after this rank's combine n had read that region; and a ready stamp of a
-later epoch is released after the same item of the earlier one, so it also means that item is here. This needs the experts to run on the
-stream that later issues the combine (so that the combine send follows their reads), and it is not
+Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
+dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads that region of
+call n only if A sent it rows then; A's combine n then waited for B's remote combine items of call n,
+which B ran after its experts on call n (the last reads of those rows, through the row index), and
+A's dispatch n+2 follows A's combine n. The region's counts, ids and weights are read only by B's
+layout n, which ends before B's dispatch n+1, which A's dispatch n+1 waited for. So a receive region
+is never overwritten while a rank still reads it. Likewise a peer's combine n+2 writes this rank's
+comb region of parity n only after its dispatch n+2 received this rank's rows of call n+2, sent after
+this rank's combine n had read that region; and a ready stamp of a later epoch is released after the
+same item of the earlier one, so it also means that item is here. This needs the experts to run on the
+stream that later issues the combine (so that the combine follows their reads), and it is not
 enforced: a third dispatch before the first one's combine overwrites rows that may still be read. Calls
 must alternate send/receive per phase on every rank, and the batch's rows are valid until its combine.
 
@@ -140,8 +143,10 @@ class HtDispatcher(Dispatcher):
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
 
-    Phases (public so that emulated ranks can run them in turn, and for overlap):
+    Phases (public so that emulated ranks can run them in turn, and for overlap of the dispatch):
         dispatch_send -> dispatch_recv -> (experts) -> combine_send -> combine_recv.
+    Over a process group combine_send runs the whole combine (one kernel) and combine_recv returns its
+    output; emulated ranks run its remote half in combine_send and its local half in combine_recv.
     T may differ per rank and be 0; T <= cfg.max_tokens_per_rank. The batch's x views the receive
     buffer through its row_index_N: its rows are valid until the batch is combined, the experts must
     run on the stream that then calls combine, and at most two dispatches may be in flight (not yet
@@ -150,7 +155,9 @@ class HtDispatcher(Dispatcher):
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
     stream, a kernel that spins until every rank has numbered its pairs, the copy of the batch size to
     the host and the layout kernels; dispatch_recv makes the calling stream wait for them. Call the
-    phases from one stream.
+    phases from one stream. The combine kernel's programs can all wait (spinning) for peers' partial
+    rows: do not run the combines of two ht dispatchers at once on different streams of a GPU (each
+    could hold every SM while waiting for the other's peers).
     """
 
     name = "ht"
@@ -190,7 +197,8 @@ class HtDispatcher(Dispatcher):
         if isinstance(group, EmulatedGroup):
             # Dispatchers of equal config share one workspace, epochs and flags included, so they act
             # as one dispatcher; the first emulated rank to get here allocates every rank's buffers.
-            self.ws: Workspace = group.workspace(("ht", cfg, str(self.device)), specs, self.device)
+            key = ("ht", cfg, str(self.device), self.launch)  # the launch sizes flags and counts signals
+            self.ws: Workspace = group.workspace(key, specs, self.device)
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
@@ -270,14 +278,17 @@ class HtDispatcher(Dispatcher):
         return self._dispatch_recv(pending)
 
     def combine_send(self, y: torch.Tensor, batch: ExpertBatch) -> HtCombinePending:
-        """Store each received row's weighted local result into its source rank's combine region."""
+        """Process group: the whole combine (one kernel: each received row's weighted local results go
+        back to its source rank; this rank's tokens are summed as their partial rows arrive). Emulated
+        ranks: the first half (rows back to their sources). y: [N, D] expert outputs, cfg.dtype."""
         self.check_output(y, batch)
         if not isinstance(batch.handle, HtHandle):
             raise ValueError("batch was not produced by an 'ht' dispatcher")
         return self._combine_send(y.contiguous(), batch)
 
     def combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
-        """Wait (on the device) for every rank's partial rows; out_TD [T, D] cfg.dtype, fp32 sums."""
+        """out_TD [T, D] cfg.dtype: fp32 sums of each token's partial rows (emulated ranks: the second half
+        of the combine runs now, once every rank's first half has)."""
         return self._combine_recv(pending)
 
     # -- phases -----------------------------------------------------------------------------------
@@ -383,7 +394,8 @@ class HtDispatcher(Dispatcher):
         seq = self.ws.local("combine_seq")
         seq.add_(1)
         out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
-        args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, seq, self.ws.local("comb"),
+        epoch_1 = seq.clone() if self._emulated else seq  # the local half runs later: this call's epoch
+        args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, epoch_1, self.ws.local("comb"),
                 self.ws.local("comb_ready"), self.ws.local("comb_ticket"), self._peers, out_TD, self.rank, self.launch)
         kernels.combine(*args, remote=True, local=not self._emulated)
         return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)

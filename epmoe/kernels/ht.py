@@ -58,6 +58,17 @@ class HtLaunch:
     combine_step: int = 2048
     combine_lag: float = 1.0
 
+    def __post_init__(self) -> None:
+        for name in ("programs", "combine_programs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HtLaunch.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_warps", "combine_warps", "combine_chunk", "combine_step"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"HtLaunch.{name} must be a power of two, got {value}")
+        if not 0 <= self.combine_lag < float("inf"):  # a negative lag would hand out local items early
+            raise ValueError(f"HtLaunch.combine_lag must be finite and >= 0, got {self.combine_lag}")
+
     @staticmethod
     def rows(hidden: int) -> int:
         """Rows a dispatch send program has in flight per step: about 16K elements of (padded) row."""
@@ -75,10 +86,11 @@ class HtLaunch:
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     """Pure function of the row size and the device: one dispatch send program per SM on a GPU (peer
-    stores measured 338-346 GB/s per direction with 132 programs on H200, 297-328 with 66); four combine
-    programs of 4 warps per SM (as many as fit, for the gathers of expert rows: 240 us per 4096-token
-    bf16 combine on 2 H200s against 346-360 with one program of 8 warps, scripts/ht_probe.py,
-    2026-11-30); a few programs under the interpreter. Combine tiles: COMBINE_CHUNK, COMBINE_STEP."""
+    stores measured 338-356 GB/s per direction with 132 programs on H200, 297-328 with 66); four combine
+    programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
+    bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
+    scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
+    COMBINE_CHUNK, COMBINE_STEP, the lag one wave."""
     tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
@@ -87,8 +99,8 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
 
 
-# combine: columns per gathered load, and elements (rows x columns) per program step (114 registers a
-# thread at D 7168, K 8, 4 warps: four programs fit on an SM)
+# combine: columns per gathered load, and elements (rows x columns) per program step and item (107
+# registers a thread at D 7168, K 8, R 2, 4 warps: four programs fit on an SM; 142 at R 8: three fit)
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
 
@@ -594,7 +606,8 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
     _combine_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, slot_TR, seq_1, comb_2RCD, peers["comb"], ready_RI, peers["comb_ready"],
         ticket_2, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
-        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, REMOTE=remote, LOCAL=local, num_warps=launch.combine_warps)
+        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+        REMOTE=remote, LOCAL=local, num_warps=launch.combine_warps)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
