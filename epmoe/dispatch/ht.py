@@ -195,9 +195,10 @@ class HtDispatcher(Dispatcher):
         self.blocks = kernels.layout_blocks(self.capacity, cfg.top_k)
         specs = self._specs()
         if isinstance(group, EmulatedGroup):
-            # Dispatchers of equal config share one workspace, epochs and flags included, so they act
-            # as one dispatcher; the first emulated rank to get here allocates every rank's buffers.
-            key = ("ht", cfg, str(self.device), self.launch)  # the launch sizes flags and counts signals
+            # Dispatchers of equal config and launch (which sizes the flags and counts the signals) share
+            # one workspace, epochs and flags included, so they act as one dispatcher; the first emulated
+            # rank to get here allocates every rank's buffers.
+            key = ("ht", cfg, str(self.device), self.launch)
             self.ws: Workspace = group.workspace(key, specs, self.device)
         else:
             self.ws = torch_workspace(specs, group, self.device)
