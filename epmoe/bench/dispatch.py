@@ -99,8 +99,6 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         dispatcher._combine(ys[-1], b)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
     host = []
-    dist.barrier()
-    torch.cuda.synchronize()
     for i, (e0, e1, e2, e3, e4) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
         torch.cuda.synchronize()
