@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from epmoe import FusedMoE, MoEConfig  # noqa: E402
 from epmoe.experts.grouped_mm import GroupedMMExperts  # noqa: E402
@@ -24,7 +26,7 @@ from epmoe.interfaces import ExpertBatch, Layout  # noqa: E402
 from epmoe.kernels import configs  # noqa: E402
 from epmoe.kernels.configs import GemmConfig, gemm_config  # noqa: E402
 from epmoe.kernels.grouped_gemm import ExpertRows, _descriptor, down, down_ref, gate_up, gate_up_ref  # noqa: E402
-from epmoe.kernels.quant import quantize_act  # noqa: E402
+from epmoe.kernels.quant import divide_rn, quantize_act  # noqa: E402
 from epmoe.quant import dequantize_act_ref, quantize_act_ref, quantize_weight_ref  # noqa: E402
 from epmoe.registry import auto_experts_order, list_experts, resolve_experts  # noqa: E402
 
@@ -80,6 +82,44 @@ def test_quantize_act_matches_reference(shape, dtype):
     assert q.dtype == torch.float8_e4m3fn and s.shape == s_ref.shape
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+
+
+@triton.jit
+def _divide_rn_kernel(x_ptr, s_ptr, q_ptr, GROUPS: tl.constexpr):
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    at = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + at, divide_rn(tl.load(x_ptr + at), tl.load(s_ptr + g)[:, None]))
+
+
+@pytest.mark.parametrize("source", ["bf16", "fp32"])
+def test_divide_rn_is_the_rounded_quotient(source):
+    """divide_rn (the reciprocal and a fused correction, as the ht send kernel quantizes) against torch's
+    division, as the fp8 quantization uses it: x over amax / 448 per group of 128, magnitudes spread over
+    2^+-60 (bf16 rows) or 2^+-90, subnormal and signed-zero inputs. Bit-exact float32 quotients where
+    they are at least 2^-10 (below, e4m3 rounds them to zero), and bit-exact fp8 values throughout."""
+    g = torch.Generator().manual_seed(11)
+    groups = 4096
+    spread = 40.0 if source == "bf16" else 60.0
+    x = torch.randn(groups, 128, generator=g) * torch.exp(torch.randn(groups, 1, generator=g) * spread / 3)
+    if source == "bf16":
+        x = x.bfloat16().float()
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])
+    x[1] = torch.tensor([1e-40, -1e-40]).repeat(64)
+    x[2] = -0.0
+    s = x.abs().amax(1).clamp_min(1e-10) / 448
+    q = torch.empty_like(x, device=DEVICE)
+    _divide_rn_kernel[(groups // 16,)](x.to(DEVICE), s.to(DEVICE), q, GROUPS=16)
+    q, ref = q.cpu(), x / s[:, None]
+    big = ref.abs() >= 2 ** -10
+    assert torch.equal(q[big].view(torch.int32), ref[big].view(torch.int32))
+    fp8 = lambda v: v.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)  # noqa: E731
+    assert torch.equal(fp8(q), fp8(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["bf16", "fp32"])
+def test_divide_rn_is_the_rounded_quotient_gpu(source):
+    test_divide_rn_is_the_rounded_quotient(source)
 
 
 @pytest.mark.parametrize("counts", COUNTS)
