@@ -1,8 +1,9 @@
 """Compile the `ht` kernels for sm_90 without a GPU (ptxas ships with triton), with the launch configs the
 launchers pick on an H200 (132 SMs) for the benchmark shape (D 7168, K 8, L 128; bf16 and fp8) and a small
-one; fails on compiler errors, register spills, and on 16-byte vector accesses missing from the row
-copies of the benchmark shape. Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this
-Triton's compiler cannot be driven this way (skip)."""
+one; fails on compiler errors, register spills (but the combine's at R 8), more than 128 registers in
+the combine at R 2, and on 16-byte vector accesses missing from the row copies of the benchmark shape.
+Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be
+driven this way (skip)."""
 import sys
 
 import triton
@@ -14,11 +15,11 @@ SMS = 132
 COMBINE_REGISTERS = 128  # 4 programs of 4 warps an SM (65536 registers)
 
 
-def check(tag, kernel, failures, vector):
+def check(tag, kernel, failures, vector, spills_allowed=False):
     ptx = kernel.asm["ptx"]
     spills, v4 = spill_bytes(kernel), ptx.count("st.global.v4")
     print(f"{tag}: spills {spills} B, 16-byte stores {v4}")
-    if spills:
+    if spills and not spills_allowed:
         failures.append(f"{tag}: {spills} B of register spills")
     if vector and not v4:
         failures.append(f"{tag}: no 16-byte vector stores")
@@ -39,20 +40,25 @@ def main() -> None:
                 dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "slot_ptr"], warps, 1), failures, big)
         chunk, rows = launch.combine_tiles(D)
-        for remote, local in ((True, True), (False, True)):  # real ranks; the local half of emulated ones
+        for R, remote, local in ((2, True, True), (2, False, True), (8, True, True)):
+            # real ranks (2 and 8); the local half of emulated ones
             kernel = compile_hopper(
                 k._combine_kernel,
                 dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", slot_ptr="*i32", seq_ptr="*i32",
                      comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i32", ready_peers="*i64", ticket_ptr="*i32",
-                     out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
-                dict(R=2, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-                     REMOTE=remote, LOCAL=local), ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"],
+                     out_ptr="*bf16", err_ptr="*i32", T="i32", rank="i32", lag="i32", steps="i32",
+                     timeout_ns="i64", C="i32", NI="i32"),
+                dict(R=R, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+                     REMOTE=remote, LOCAL=local, INTERPRET=False), ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"],
                 launch.combine_warps, 1)
-            tag = f"combine D{D} K{K} remote={remote} local={local}"
-            check(tag, kernel, failures, big)
+            tag = f"combine R{R} D{D} K{K} remote={remote} local={local}"
+            # R 8: the local items' partial-row loads of 7 peers at once spill ~72 B at 128 registers
+            # (four programs an SM still fit); accepted, as a runtime loop over the peers would cost R 2
+            # a second round trip per step
+            check(tag, kernel, failures, big, spills_allowed=R == 8)
             regs = registers(kernel)
             print(f"{tag}: {regs} registers")
-            if big and remote and regs > COMBINE_REGISTERS:
+            if big and remote and R == 2 and regs > COMBINE_REGISTERS:
                 failures.append(f"{tag}: {regs} registers, more than {COMBINE_REGISTERS} (4 programs an SM)")
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
@@ -84,9 +90,11 @@ def main() -> None:
                  recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32", C="i32"),
             dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
                  BLOCK_NT=k.NUMBER_STEP), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1), failures, False)
-    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32"),
-                   dict(R=2, BLOCK_R=2), [], 1, 1)
-    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32"), dict(R=2, PROGRAMS=SMS), [], 1, 1)
+    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32",
+                                              err_ptr="*i32", timeout_ns="i64"),
+                   dict(R=2, BLOCK_R=2, INTERPRET=False), [], 1, 1)
+    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64"),
+                   dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)
     if failures:
         print("\n".join(failures))
         sys.exit(1)

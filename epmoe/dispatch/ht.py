@@ -29,7 +29,7 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     per call from the numbering, per sending program and call from the send kernel), dispatch_seq /
     combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and comb_ticket
     int32 [2] (the numbering kernel's finished programs, the combine's tickets and finished programs;
-    used locally, back to 0 after each call).
+    used locally, back to 0 after each call), error int32 [1] (a device-side wait of this rank gave up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads that region of
 call n only if A sent it rows then; A's combine n then waited for B's remote combine items of call n,
@@ -56,6 +56,7 @@ import torch
 from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ht as kernels
+from ..kernels.sync import DeviceWait
 from ..quant import FP8_DTYPE, num_groups
 from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetric_world, torch_workspace
 
@@ -139,6 +140,9 @@ class HtDispatcher(Dispatcher):
             an EmulatedGroup.
         launch: the kernels' launch settings (epmoe.kernels.ht.HtLaunch), the same on every rank;
             default `ht_launch` for the row size and device. Fixed for the dispatcher's lifetime.
+        wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
+            sets the error flag (`timed_out()`); later waits then return at once with garbage results
+            until the dispatcher is rebuilt. A hang guard only: no healthy call waits that long.
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
@@ -178,10 +182,13 @@ class HtDispatcher(Dispatcher):
         return True, "ok"
 
     def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool = False,
-                 device: torch.device | str | None = None, launch: kernels.HtLaunch | None = None) -> None:
+                 device: torch.device | str | None = None, launch: kernels.HtLaunch | None = None,
+                 wait_timeout_s: float = 60.0) -> None:
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'ht': {reason}")
+        if not 0 < wait_timeout_s < float("inf"):
+            raise ValueError(f"wait_timeout_s must be finite and > 0, got {wait_timeout_s!r}")
         super().__init__(cfg, group)
         if device is None:
             device = "cpu" if isinstance(group, EmulatedGroup) else "cuda"
@@ -203,6 +210,7 @@ class HtDispatcher(Dispatcher):
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
+        self._wait = DeviceWait(err_1=self.ws.local("error"), timeout_ns=int(wait_timeout_s * 1e9))
         # host-synced mode over a process group: the batch size and layout are made on a side stream
         # while the rows travel (HtEarly)
         self._emulated = isinstance(group, EmulatedGroup)
@@ -233,6 +241,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
             BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
+            BufferSpec("error", (1,), torch.int32),  # a device-side wait gave up (local)
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
         ]
@@ -244,6 +253,11 @@ class HtDispatcher(Dispatcher):
         return self.world_size * self.capacity * self.cfg.top_k
 
     # -- public API -------------------------------------------------------------------------------
+
+    def timed_out(self) -> bool:
+        """Whether any device-side wait of this rank gave up (wait_timeout_s without the peers' signal:
+        a peer failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
+        return bool(self._wait.err_1.item())
 
     def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
         """See Dispatcher.dispatch. Validation reads the id range on the host unless a CUDA graph is
@@ -338,7 +352,7 @@ class HtDispatcher(Dispatcher):
         return HtEarly(slot=slot, layout=layout)
 
     def _recv_pairs(self, epoch_1: torch.Tensor) -> torch.Tensor:
-        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("meta_flag"), epoch_1)
+        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("meta_flag"), epoch_1, self._wait)
 
     def _layout(self, epoch_1: torch.Tensor, numbering_waited: bool = False) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
@@ -349,7 +363,7 @@ class HtDispatcher(Dispatcher):
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
         if not numbering_waited:
-            kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, 1)
+            kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, 1, self._wait)
         table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
@@ -363,7 +377,8 @@ class HtDispatcher(Dispatcher):
 
     def _dispatch_wait(self) -> None:
         """Block the stream until every rank's rows of the latest epoch are here."""
-        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs)
+        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs,
+                           self._wait)
 
     def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
@@ -397,7 +412,8 @@ class HtDispatcher(Dispatcher):
         out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
         epoch_1 = seq.clone() if self._emulated else seq  # the local half runs later: this call's epoch
         args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, epoch_1, self.ws.local("comb"),
-                self.ws.local("comb_ready"), self.ws.local("comb_ticket"), self._peers, out_TD, self.rank, self.launch)
+                self.ws.local("comb_ready"), self.ws.local("comb_ticket"), self._peers, out_TD, self.rank, self.launch,
+                self._wait)
         kernels.combine(*args, remote=True, local=not self._emulated)
         return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)
 

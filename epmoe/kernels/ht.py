@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 
 from ..config import FP8_BLOCK
+from .quant import divide_rn
+from .sync import DeviceWait, spin_until
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,13 @@ class HtLaunch:
     combine_programs, combine_warps: programs of the combine kernel (they take items by ticket, so any
         number is deadlock-free), and warps of each.
     combine_chunk, combine_step: the combine gathers rows in column chunks of combine_chunk elements,
-        combine_step elements (rows x chunk) at a time; an item of its work is that many rows
-        (`combine_tiles`).
+        combine_step elements (rows x chunk) a step (`combine_tiles`).
     combine_lag: how far, in waves of combine_programs tickets, the combine's local items (sums of this
         rank's tokens) trail its remote items (partial rows sent to the peers), so that a local item
         rarely waits for the peers' partials.
+    combine_item_steps: steps (of combine_tiles(D)[1] rows) in an item of the combine's work: a
+        remote item ends with one system-scope release (which waits for its stores to land), a local
+        item with one wait per peer item it needs.
     """
 
     programs: int
@@ -57,9 +61,10 @@ class HtLaunch:
     combine_chunk: int = 1024
     combine_step: int = 2048
     combine_lag: float = 1.0
+    combine_item_steps: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("programs", "combine_programs"):
+        for name in ("programs", "combine_programs", "combine_item_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HtLaunch.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_warps", "combine_warps", "combine_chunk", "combine_step"):
@@ -79,6 +84,10 @@ class HtLaunch:
         chunk = min(triton.next_power_of_2(hidden), self.combine_chunk)
         return chunk, max(1, self.combine_step // chunk)
 
+    def combine_item_rows(self, hidden: int) -> int:
+        """Rows (received rows of one source, or this rank's tokens) in an item of the combine's work."""
+        return self.combine_tiles(hidden)[1] * self.combine_item_steps
+
     def combine_lag_iterations(self, world_size: int) -> int:
         """combine_lag in iterations of the ticket order (world_size tickets each)."""
         return -(-int(self.combine_lag * self.combine_programs) // world_size)
@@ -90,8 +99,8 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, the lag one wave."""
-    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
+    COMBINE_CHUNK, COMBINE_STEP, items of COMBINE_ITEM_STEPS steps, the lag one wave."""
+    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP, combine_item_steps=COMBINE_ITEM_STEPS)
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -99,10 +108,11 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
 
 
-# combine: columns per gathered load, and elements (rows x columns) per program step and item (107
-# registers a thread at D 7168, K 8, R 2, 4 warps: four programs fit on an SM; 142 at R 8: three fit)
+# combine: columns per gathered load, elements (rows x columns) per program step, and steps per item (96
+# registers a thread at D 7168, K 8, R 2, 4 warps, 128 at R 8: four programs fit on an SM)
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
+COMBINE_ITEM_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -224,21 +234,13 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
 
 
 @triton.jit
-def _spin_until(flag_ptr, target):
-    """Spin until flag_ptr[0] >= target (acquire, system scope: what the signaller stored before its
-    release is visible after)."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while seen < target:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, err_ptr, timeout_ns, R: tl.constexpr,
+                       BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
     """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
     system scope), then out[0] = the (token, slot) pairs received from all ranks."""
     epoch = tl.load(epoch_ptr)
     for r in tl.static_range(R):
-        _spin_until(flag_ptr + r, epoch)
+        spin_until(flag_ptr + r, epoch, err_ptr, timeout_ns, INTERPRET)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
     pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
@@ -266,10 +268,9 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
         row = tl.load(x_ptr + t64[:, None, None] * D + cols[None, :, :], mask=xmask, other=0.0)
         if FP8:
             amax = tl.max(tl.abs(row.to(tl.float32)), axis=2)
-            # as epmoe.quant.quantize_act_ref, with IEEE divisions (a plain `/` may be approximate)
+            # as epmoe.quant.quantize_act_ref, with correctly rounded divisions (a plain `/` may be approximate)
             scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-            q = tl.div_rn(row.to(tl.float32), scale[:, :, None] + tl.zeros(row.shape, tl.float32))
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+            q = tl.minimum(tl.maximum(divide_rn(row.to(tl.float32), scale[:, :, None]), -448.0), 448.0)
             row_out = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:
             row_out = row
@@ -286,11 +287,12 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, seq_ptr, R: tl.constexpr, PROGRAMS: tl.constexpr):
+def _wait_kernel(flag_ptr, seq_ptr, err_ptr, timeout_ns, R: tl.constexpr, PROGRAMS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """One program: spin until every source rank's flag reaches epoch * PROGRAMS (acquire, system scope)."""
     target = tl.load(seq_ptr).to(tl.int64) * PROGRAMS
     for r in tl.static_range(R):
-        _spin_until(flag_ptr + r, target)
+        spin_until(flag_ptr + r, target, err_ptr, timeout_ns, INTERPRET)
 
 
 @triton.jit
@@ -320,81 +322,106 @@ def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank, steps,
                          R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
-    row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
-    slot); then ready[rank, i] = epoch on r (release, system scope)."""
-    s = i * ROWS + tl.arange(0, ROWS)
-    smask = s < count
-    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
-    dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C + s).to(tl.int64)[:, None] * D
-    cols = tl.arange(0, CHUNK)
+    """Item i of the rows received from rank r (slots [i * steps * ROWS, (i + 1) * steps * ROWS) below
+    count, ROWS a step): each row's weighted local results, rounded to y's dtype, stored into r's
+    combine region at (this rank, slot); then ready[rank, i] = epoch on r (release, system scope)."""
+    dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + (parity * R + rank).to(tl.int64) * C * D
+    steps_end = tl.minimum((i + 1) * steps, tl.cdiv(count, ROWS))
+    # columns outermost: a runtime loop over steps inside each chunk keeps one chunk's column
+    # offsets live (steps outermost, every chunk's were hoisted out of it: ~40 more registers)
     for c0 in tl.static_range(0, D, CHUNK):
-        c = c0 + cols
+        c = c0 + tl.arange(0, CHUNK)
         cmask = c < D
-        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
-        tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=smask[:, None] & cmask[None, :])
+        for step in range(i * steps, steps_end):
+            s = step * ROWS + tl.arange(0, ROWS)
+            smask = s < count
+            pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
+            acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+            tl.store(tl.multiple_of(dst_rows + s.to(tl.int64)[:, None] * D + c[None, :], [1, 16]),
+                     acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
     tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
-def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, ready_ptr, out_ptr, j, T, parity, epoch, rank,
-                        R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                        CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """Item j of this rank's tokens (t in [j * ROWS, (j + 1) * ROWS) below T): waits until every peer r
-    has stored the items holding these tokens' partial rows (ready[r, item] >= epoch), then out[t] =
-    (its own weighted local results, rounded to y's dtype) + the peers' partial rows in rank order, fp32.
-    Slots are read as scalars and per-rank vectors (reductions over a [ROWS, R] tile cost registers)."""
-    t = j * ROWS + tl.arange(0, ROWS)
-    tmask = t < T
-    t64 = t.to(tl.int64)
+def _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, steps, err_ptr, timeout_ns, R: tl.constexpr, NI,
+                   ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Spin until every peer r has stamped (ready[r, item] >= epoch) the items holding the partial rows
+    of this rank's tokens [j * steps * ROWS, (j + 1) * steps * ROWS) below T. A token's slot at r rises
+    with t, so these are the items from the first sent token's slot to the last's: one wait each.
+    Scalar loads only (reducing a vector of slots here cost ~80 registers a thread)."""
+    item_rows = steps * ROWS
+    first = j * item_rows
+    end = tl.minimum(first + item_rows, T)
     for r in tl.static_range(R):
         if r != rank:
-            for row in tl.static_range(ROWS):
-                if j * ROWS + row < T:
-                    s = tl.load(slot_ptr + (j * ROWS + row).to(tl.int64) * R + r)
-                    if s >= 0:
-                        _spin_until(ready_ptr + r * NI + s // ROWS, epoch)
-    own = tl.load(slot_ptr + t64 * R + rank, mask=tmask, other=-1)
-    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, rank * C + own, own >= 0, K, BLOCK_K)
-    cols = tl.arange(0, CHUNK)
-    for c0 in tl.static_range(0, D, CHUNK):
-        c = c0 + cols
+            a = first  # the item's first token sent to r (a = end - 1 if none)...
+            lo = tl.load(slot_ptr + a.to(tl.int64) * R + r)
+            while (lo < 0) & (a + 1 < end):
+                a += 1
+                lo = tl.load(slot_ptr + a.to(tl.int64) * R + r)
+            b = end - 1  # ...and its last (b = a if none)
+            hi = tl.load(slot_ptr + b.to(tl.int64) * R + r)
+            while (hi < 0) & (b > a):
+                b -= 1
+                hi = tl.load(slot_ptr + b.to(tl.int64) * R + r)
+            if lo >= 0:
+                for item in range(lo // item_rows, hi // item_rows + 1):
+                    spin_until(ready_ptr + r * NI + item, epoch, err_ptr, timeout_ns, INTERPRET)
+
+
+@triton.jit
+def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank, steps,
+                        R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """Item j of this rank's tokens (t in [j * steps * ROWS, (j + 1) * steps * ROWS) below T, ROWS a
+    step), once the peers' partial rows are here (`_wait_partials`): out[t] = (its own weighted local
+    results, rounded to y's dtype) + the peers' partial rows in rank order, fp32."""
+    steps_end = tl.minimum((j + 1) * steps, tl.cdiv(T, ROWS))
+    for c0 in tl.static_range(0, D, CHUNK):  # columns outermost, as in _combine_remote_item
+        c = c0 + tl.arange(0, CHUNK)
         cmask = c < D
-        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
-        acc = acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-        for r in tl.static_range(R):
-            s_r = tl.load(slot_ptr + t64 * R + r, mask=tmask & (tl.full([ROWS], r, tl.int32) != rank), other=-1)
-            row_at = ((parity * R + r) * C + tl.maximum(s_r, 0)).to(tl.int64)
-            part = tl.load(comb_ptr + row_at[:, None] * D + c[None, :], mask=(s_r >= 0)[:, None] & cmask[None, :],
-                           other=0.0, cache_modifier=".cg")
-            acc += part.to(tl.float32)
-        tl.store(out_ptr + t64[:, None] * D + c[None, :], acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=tmask[:, None] & cmask[None, :])
+        for step in range(j * steps, steps_end):
+            t = step * ROWS + tl.arange(0, ROWS)
+            tmask = t < T
+            t64 = t.to(tl.int64)
+            own = tl.load(slot_ptr + t64 * R + rank, mask=tmask, other=-1)
+            pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, rank * C + own, own >= 0, K, BLOCK_K)
+            acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+            acc = acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+            for r in tl.static_range(R):
+                s_r = tl.load(slot_ptr + t64 * R + r, mask=tmask & (tl.full([ROWS], r, tl.int32) != rank), other=-1)
+                row_at = ((parity * R + r) * C + tl.maximum(s_r, 0)).to(tl.int64)
+                part = tl.load(comb_ptr + row_at[:, None] * D + c[None, :],
+                               mask=(s_r >= 0)[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
+                acc += part.to(tl.float32)
+            tl.store(out_ptr + t64[:, None] * D + c[None, :],
+                     acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tmask[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_ptr, comb_peers, ready_ptr, ready_peers,
-                    ticket_ptr, out_ptr, T, rank, lag, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr,
-                    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                    REMOTE: tl.constexpr, LOCAL: tl.constexpr):
+                    ticket_ptr, out_ptr, err_ptr, T, rank, lag, steps, timeout_ns, R: tl.constexpr, C, NI,
+                    D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+                    REMOTE: tl.constexpr, LOCAL: tl.constexpr, INTERPRET: tl.constexpr):
     """Programs take tickets (ticket[0], counted up) in the order: iteration i = ticket // R holds the
     remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
-    i - lag (LOCAL). A local item waits only for peers' remote items of no larger index, which every
-    rank hands out before it, to programs that never wait: any number of programs, resident or not,
-    finishes. The last program to finish (counter ticket[1]) sets both counters back to 0."""
+    i - lag (LOCAL); an item is `steps` steps of ROWS rows. A local item waits only for peers' remote
+    items of no larger index, which every rank hands out before it, to programs that never wait: any
+    number of programs, resident or not, finishes. The last program to finish (counter ticket[1]) sets
+    both counters back to 0."""
     epoch = tl.load(seq_ptr)
     parity = epoch % 2
+    item_rows = steps * ROWS
     items = 0
     if REMOTE:
         for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
-            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), ROWS), 0))
+            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), item_rows), 0))
     if LOCAL:
-        items = tl.maximum(items, tl.cdiv(T, ROWS))
+        items = tl.maximum(items, tl.cdiv(T, item_rows))
     total = (items + lag) * R
     ticket = tl.atomic_add(ticket_ptr, 1)
     while ticket < total:
@@ -404,14 +431,16 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
             if REMOTE:
                 r = (rank + 1 + q) % R
                 count = tl.load(count_ptr + r)
-                if i * ROWS < count:
+                if i * item_rows < count:
                     _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
-                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+                                         rank, steps, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
         elif LOCAL:
             j = i - lag
-            if (j >= 0) & (j * ROWS < T):
-                _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, ready_ptr, out_ptr, j, T, parity,
-                                    epoch, rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+            if (j >= 0) & (j * item_rows < T):
+                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, steps, err_ptr, timeout_ns, R, NI, ROWS,
+                               INTERPRET)
+                _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank, steps,
+                                    R, C, D, K, BLOCK_K, CHUNK, ROWS)
         ticket = tl.atomic_add(ticket_ptr, 1)
     if tl.atomic_add(ticket_ptr + 1, 1) == tl.num_programs(0) - 1:
         tl.store(ticket_ptr, 0)
@@ -544,13 +573,14 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     return slot_TR, epoch_1
 
 
-def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor) -> torch.Tensor:
+def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor, wait: DeviceWait) -> torch.Tensor:
     """int32 [1]: the (token, slot) pairs this rank receives in epoch epoch_1 from all ranks, once every
-    rank's `number_pairs` of that epoch has signalled flag_R (spins on the device until then; the
-    counts, ids and weights are here after it)."""
+    rank's `number_pairs` of that epoch has signalled flag_R (spins on the device until then, or until
+    `wait` gives up; the counts, ids and weights are here after it)."""
     R = flag_R.shape[0]
     out = torch.empty(1, dtype=torch.int32, device=flag_R.device)
-    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, R=R, BLOCK_R=triton.next_power_of_2(R), num_warps=1)
+    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, wait.err_1, wait.timeout_ns, R=R,
+                             BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=1)
     return out
 
 
@@ -570,28 +600,29 @@ def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor
         BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
-def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int) -> None:
+def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: DeviceWait) -> None:
     """Block the stream (one spinning program) until every rank's `programs` signalling programs
-    signalled epoch seq_1 into flag_R."""
-    _wait_kernel[(1,)](flag_R, seq_1, R=flag_R.shape[0], PROGRAMS=programs, num_warps=1)
+    signalled epoch seq_1 into flag_R, or `wait` gives up."""
+    _wait_kernel[(1,)](flag_R, seq_1, wait.err_1, wait.timeout_ns, R=flag_R.shape[0], PROGRAMS=programs,
+                       INTERPRET=wait.interpret, num_warps=1)
 
 
 def combine_items(capacity: int, hidden: int, launch: HtLaunch) -> int:
-    """NI: items (of combine_tiles(hidden)[1] rows) of one source rank's receive region: the combine's
-    ready flags per source rank."""
-    return -(-capacity // launch.combine_tiles(hidden)[1])
+    """NI: items (of launch.combine_item_rows(hidden) rows) of one source rank's receive region: the
+    combine's ready flags per source rank."""
+    return -(-capacity // launch.combine_item_rows(hidden))
 
 
 def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
             slot_TR: torch.Tensor, seq_1: torch.Tensor, comb_2RCD: torch.Tensor, ready_RI: torch.Tensor,
             ticket_2: torch.Tensor, peers: dict[str, torch.Tensor], out_TD: torch.Tensor, rank: int,
-            launch: HtLaunch, remote: bool, local: bool) -> None:
+            launch: HtLaunch, wait: DeviceWait, remote: bool, local: bool) -> None:
     """The combine, or one half of it. remote: reduce each row received from a peer (its local
     results, weighted, fp32, rounded to y's dtype) into the peer's "comb" region and stamp the peer's
     "comb_ready" flag of its item with the epoch. local: out_TD[t] = this rank's own reduced row of
-    token t + the peers' partial rows (rank order), once they are there (spins on ready_RI). Both at
-    once (real ranks: one kernel, the local items trailing the remote ones by launch.combine_lag), or
-    remote on every rank and then local (emulated ranks, which run in turn).
+    token t + the peers' partial rows (rank order), once they are there (spins on ready_RI, or until
+    `wait` gives up). Both at once (real ranks: one kernel, the local items trailing the remote ones by
+    launch.combine_lag), or remote on every rank and then local (emulated ranks, which run in turn).
 
     y_ND: expert outputs [N, D] cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot)
     pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
@@ -605,9 +636,10 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
     chunk, rows = launch.combine_tiles(D)
     _combine_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, slot_TR, seq_1, comb_2RCD, peers["comb"], ready_RI, peers["comb_ready"],
-        ticket_2, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
-        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-        REMOTE=remote, LOCAL=local, num_warps=launch.combine_warps)
+        ticket_2, out_TD, wait.err_1, T, rank, launch.combine_lag_iterations(R) if remote and local else 0,
+        launch.combine_item_steps, wait.timeout_ns, R=R, C=C, NI=ready_RI.shape[1], D=D, K=K,
+        BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, REMOTE=remote, LOCAL=local,
+        INTERPRET=wait.interpret, num_warps=launch.combine_warps)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..config import FP8_BLOCK
+from .sync import spin_until
 
 _SIGNAL_UNIT = 1 << 20  # what each rank adds per call to each signal; larger than any grid
 SIGNAL_UNIT = tl.constexpr(_SIGNAL_UNIT)
@@ -88,16 +89,6 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _now(prev, INTERPRET: tl.constexpr):
-    """Nanoseconds on the GPU's global timer; under the interpreter a stand-in: 1000 per call."""
-    if INTERPRET:
-        return prev + 1000
-    else:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-
-@triton.jit
 def _signal(sig_ptr, sig_dR, slot, rank, R, lin, n):
     """Add this program's share of SIGNAL_UNIT (program lin of the n signalling programs) to signal[slot]
     of every rank, release at system scope; returns this rank's signal value right after its add.
@@ -115,22 +106,9 @@ def _signal(sig_ptr, sig_dR, slot, rank, R, lin, n):
 @triton.jit
 def _wait(sig_ptr, seen, sig_unit, err_ptr, timeout_ns, INTERPRET: tl.constexpr):
     """Spin until the int64 signal at sig_ptr reaches the next multiple of sig_unit (= R * SIGNAL_UNIT)
-    at or above `seen` (a value read after this rank's own share of the call was added), then acquire.
-
-    After timeout_ns without the signal it gives up and sets err_ptr[0] = 1 (a peer is gone or the
-    ranks' calls do not match); once the flag is set, waits do not spin (results are garbage until
-    the dispatcher is rebuilt).
-    """
-    target = (seen + sig_unit - 1) // sig_unit * sig_unit
-    healthy = tl.load(err_ptr, volatile=True) == 0
-    cur = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-    start = _now(seen * 0, INTERPRET)
-    now = start
-    while (cur < target) & healthy & (now - start < timeout_ns):
-        cur = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-        now = _now(now, INTERPRET)
-    if cur < target:
-        tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
+    at or above `seen` (a value read after this rank's own share of the call was added), then acquire;
+    gives up after timeout_ns and sets err_ptr[0] (sync.spin_until)."""
+    spin_until(sig_ptr, (seen + sig_unit - 1) // sig_unit * sig_unit, err_ptr, timeout_ns, INTERPRET)
 
 
 @triton.jit
