@@ -278,27 +278,25 @@ def test_two_dispatches_in_flight():
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
 
 
-@pytest.mark.parametrize("R,Ts,lag,steps,dtype", [
-    (2, [11, 7], 0.0, 1, torch.float32),
-    (2, [0, 11], 2.0, 2, torch.float32),
-    (3, [12, 0, 5], 1.0, 3, torch.float32),
-    (3, [9, 1, 12], 40.0, 2, torch.bfloat16),
+@pytest.mark.parametrize("R,Ts,lag,dtype", [
+    (2, [11, 7], 0.0, torch.float32),
+    (2, [0, 11], 2.0, torch.float32),
+    (3, [12, 0, 5], 1.0, torch.float32),
+    (3, [9, 1, 12], 40.0, torch.bfloat16),
 ])
-def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, lag, steps, dtype):
+def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, lag, dtype):
     """The combine as real ranks run it (remote and local items in one kernel, local items `lag` waves of
     tickets behind; 40 waves: all of them after the remote ones) on each rank in turn, run after the
     other ranks' remote halves and before their local halves (the only order in which emulated ranks,
-    run in turn, cannot wait forever). Steps of 2 rows, items of `steps` steps (the last one short):
-    several per peer; T 0 on a rank; two rounds, so both parities and ready stamps of several epochs;
-    no wait gives up; the ticket counters are back to 0 after each."""
+    run in turn, cannot wait forever). Items of 2 rows: several per peer; T 0 on a rank; two rounds, so
+    both parities and ready stamps of several epochs; no wait gives up; the ticket counters are back to
+    0 after each."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "COMBINE_CHUNK", 32)
     monkeypatch.setattr(ht, "COMBINE_STEP", 64)
-    monkeypatch.setattr(ht, "COMBINE_ITEM_STEPS", steps)
     cfg = _cfg(E=2 * R, K=2, D=64, C=12, dtype=dtype)
     dispatchers = make_world(cfg, R, wait_timeout_s=1.0)
     assert dispatchers[0].launch.combine_tiles(cfg.hidden_size)[1] == 2
-    assert dispatchers[0].launch.combine_item_rows(cfg.hidden_size) == 2 * steps
     tol = dict(rtol=0, atol=0) if dtype == torch.float32 else _COMBINE_TOL
     for call, whole in enumerate(list(range(R)) * 2):
         inputs = [exact_inputs(cfg, r, T, "holes", seed=70 + call, device=_EMU_DEVICE) for r, T in enumerate(Ts)]
@@ -313,7 +311,7 @@ def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, la
         outs = [dispatchers[r].combine_recv(pending[r]) for r in range(R)]
         for r, (x, ids, w) in enumerate(inputs):
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, R, x, ids, w), **tol)
-        assert all(d.ws.local("comb_ticket").tolist() == [0, 0] for d in dispatchers)
+        assert all(d.ws.local("control")[:2].tolist() == [0, 0] for d in dispatchers)
         assert not any(d.timed_out() for d in dispatchers)
 
 
@@ -328,7 +326,7 @@ def test_waits_give_up_instead_of_hanging():
     assert not d0.timed_out()
     d0._emulated = False  # the real ranks' one-kernel combine: its local items wait for rank 1's
     d0.combine_recv(d0.combine_send(expert_fn(batches[0], cfg, 0, 2), batches[0]))
-    assert d0.timed_out() and d0.ws.local("comb_ticket").tolist() == [0, 0]
+    assert d0.timed_out() and d0.ws.local("control")[:2].tolist() == [0, 0]
     d0 = make_world(cfg, 2, wait_timeout_s=1e-3)[0]
     d0.dispatch_recv(d0.dispatch_send(*inputs[0]))  # rank 1 never sends
     assert d0.timed_out()
@@ -472,8 +470,7 @@ def test_refuses_bad_input():
 @pytest.mark.parametrize("field,value,match", [
     ("combine_lag", -1.0, "combine_lag"), ("combine_lag", float("nan"), "combine_lag"),
     ("combine_step", 3000, "power of two"), ("combine_chunk", 1000, "power of two"),
-    ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1"),
-    ("combine_item_steps", 0, ">= 1")])
+    ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1")])
 def test_launch_settings_are_checked(field, value, match):
     from epmoe.kernels.ht import HtLaunch
     good = dict(programs=2, num_warps=1, combine_programs=3, combine_warps=1)
@@ -532,8 +529,8 @@ _GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for
 def _gpu_exact(ctx, quant, calls):
     """Each case: `calls` dispatches with new inputs, two in flight at a time (dispatch n, dispatch n+1,
     then their combines), with and without sync_free; the first two cases also with one combine
-    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free),
-    and with combine items of 3 steps (the last one short). No device-side wait gives up."""
+    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free).
+    No device-side wait gives up."""
     import dataclasses
 
     from epmoe.dispatch.ht import HtDispatcher
@@ -541,7 +538,6 @@ def _gpu_exact(ctx, quant, calls):
     R = ctx.world_size
     runs = [(case, sf, {}) for sf in (False, True) for case in _GPU_EXACT_CASES]
     runs += [(case, False, dict(combine_programs=1)) for case in _GPU_EXACT_CASES[:2]]
-    runs += [(case, False, dict(combine_item_steps=3)) for case in _GPU_EXACT_CASES[:2]]
     for (E, K, D_bf16, D_fp8, Ts, routing), sync_free, changes in runs:
         D = D_fp8 if quant else D_bf16
         E, Ts = multiple_of(E, R), (Ts * R)[:R]  # a token count per rank

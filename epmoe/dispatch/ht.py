@@ -27,9 +27,9 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     token in slot s there), comb_ready int32 [R, NI] (epoch of the latest combine item i that rank r
     stored here; NI = kernels.combine_items), meta_flag / dispatch_flag int64 [R] (monotonic: one add
     per call from the numbering, per sending program and call from the send kernel), dispatch_seq /
-    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and comb_ticket
-    int32 [2] (the numbering kernel's finished programs, the combine's tickets and finished programs;
-    used locally, back to 0 after each call), error int32 [1] (a device-side wait of this rank gave up).
+    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and control int32
+    [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
+    locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads that region of
 call n only if A sent it rows then; A's combine n then waited for B's remote combine items of call n,
@@ -210,7 +210,7 @@ class HtDispatcher(Dispatcher):
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
-        self._wait = DeviceWait(err_1=self.ws.local("error"), timeout_ns=int(wait_timeout_s * 1e9))
+        self._wait = DeviceWait(err_1=self.ws.local("control")[2:], timeout_ns=int(wait_timeout_s * 1e9))
         # host-synced mode over a process group: the batch size and layout are made on a side stream
         # while the rows travel (HtEarly)
         self._emulated = isinstance(group, EmulatedGroup)
@@ -237,11 +237,11 @@ class HtDispatcher(Dispatcher):
             BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
             BufferSpec("comb_ready", (R, kernels.combine_items(C, D, self.launch)), torch.int32),
-            BufferSpec("comb_ticket", (2,), torch.int32),  # the combine's tickets and finished programs (local)
+            # the combine's tickets and finished programs, and the error flag of every wait (local)
+            BufferSpec("control", (3,), torch.int32),
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
             BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
-            BufferSpec("error", (1,), torch.int32),  # a device-side wait gave up (local)
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
         ]
@@ -412,7 +412,7 @@ class HtDispatcher(Dispatcher):
         out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
         epoch_1 = seq.clone() if self._emulated else seq  # the local half runs later: this call's epoch
         args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, epoch_1, self.ws.local("comb"),
-                self.ws.local("comb_ready"), self.ws.local("comb_ticket"), self._peers, out_TD, self.rank, self.launch,
+                self.ws.local("comb_ready"), self.ws.local("control"), self._peers, out_TD, self.rank, self.launch,
                 self._wait)
         kernels.combine(*args, remote=True, local=not self._emulated)
         return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)

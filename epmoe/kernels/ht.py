@@ -45,13 +45,11 @@ class HtLaunch:
     combine_programs, combine_warps: programs of the combine kernel (they take items by ticket, so any
         number is deadlock-free), and warps of each.
     combine_chunk, combine_step: the combine gathers rows in column chunks of combine_chunk elements,
-        combine_step elements (rows x chunk) a step (`combine_tiles`).
+        combine_step elements (rows x chunk) at a time; an item of its work is that many rows
+        (`combine_tiles`).
     combine_lag: how far, in waves of combine_programs tickets, the combine's local items (sums of this
         rank's tokens) trail its remote items (partial rows sent to the peers), so that a local item
         rarely waits for the peers' partials.
-    combine_item_steps: steps (of combine_tiles(D)[1] rows) in an item of the combine's work: a
-        remote item ends with one system-scope release (which waits for its stores to land), a local
-        item with one wait per peer item it needs.
     """
 
     programs: int
@@ -61,10 +59,9 @@ class HtLaunch:
     combine_chunk: int = 1024
     combine_step: int = 2048
     combine_lag: float = 1.0
-    combine_item_steps: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("programs", "combine_programs", "combine_item_steps"):
+        for name in ("programs", "combine_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HtLaunch.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_warps", "combine_warps", "combine_chunk", "combine_step"):
@@ -84,10 +81,6 @@ class HtLaunch:
         chunk = min(triton.next_power_of_2(hidden), self.combine_chunk)
         return chunk, max(1, self.combine_step // chunk)
 
-    def combine_item_rows(self, hidden: int) -> int:
-        """Rows (received rows of one source, or this rank's tokens) in an item of the combine's work."""
-        return self.combine_tiles(hidden)[1] * self.combine_item_steps
-
     def combine_lag_iterations(self, world_size: int) -> int:
         """combine_lag in iterations of the ticket order (world_size tickets each)."""
         return -(-int(self.combine_lag * self.combine_programs) // world_size)
@@ -99,8 +92,8 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, items of COMBINE_ITEM_STEPS steps, the lag one wave."""
-    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP, combine_item_steps=COMBINE_ITEM_STEPS)
+    COMBINE_CHUNK, COMBINE_STEP, the lag one wave."""
+    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -108,11 +101,9 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
 
 
-# combine: columns per gathered load, elements (rows x columns) per program step, and steps per item (96
-# registers a thread at D 7168, K 8, R 2, 4 warps, 128 at R 8: four programs fit on an SM)
+# combine: columns per gathered load, and elements (rows x columns) per program step and item
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
-COMBINE_ITEM_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -322,40 +313,37 @@ def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank, steps,
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
                          R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """Item i of the rows received from rank r (slots [i * steps * ROWS, (i + 1) * steps * ROWS) below
-    count, ROWS a step): each row's weighted local results, rounded to y's dtype, stored into r's
-    combine region at (this rank, slot); then ready[rank, i] = epoch on r (release, system scope)."""
-    dst_rows = _peer(comb_peers, r, y_ptr.dtype.element_ty) + (parity * R + rank).to(tl.int64) * C * D
-    steps_end = tl.minimum((i + 1) * steps, tl.cdiv(count, ROWS))
-    # columns outermost: a runtime loop over steps inside each chunk keeps one chunk's column
-    # offsets live (steps outermost, every chunk's were hoisted out of it: ~40 more registers)
+    """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
+    row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
+    slot); then ready[rank, i] = epoch on r (release, system scope)."""
+    s = i * ROWS + tl.arange(0, ROWS)
+    smask = s < count
+    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
+    dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C + s).to(tl.int64)[:, None] * D
+    cols = tl.arange(0, CHUNK)
     for c0 in tl.static_range(0, D, CHUNK):
-        c = c0 + tl.arange(0, CHUNK)
+        c = c0 + cols
         cmask = c < D
-        for step in range(i * steps, steps_end):
-            s = step * ROWS + tl.arange(0, ROWS)
-            smask = s < count
-            pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
-            acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
-            tl.store(tl.multiple_of(dst_rows + s.to(tl.int64)[:, None] * D + c[None, :], [1, 16]),
-                     acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=smask[:, None] & cmask[None, :])
+        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+        tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
     tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
-def _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, steps, err_ptr, timeout_ns, R: tl.constexpr, NI,
+def _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, err_ptr, timeout_ns, R: tl.constexpr, NI,
                    ROWS: tl.constexpr, INTERPRET: tl.constexpr):
     """Spin until every peer r has stamped (ready[r, item] >= epoch) the items holding the partial rows
-    of this rank's tokens [j * steps * ROWS, (j + 1) * steps * ROWS) below T. A token's slot at r rises
-    with t, so these are the items from the first sent token's slot to the last's: one wait each.
-    Scalar loads only (reducing a vector of slots here cost ~80 registers a thread)."""
-    item_rows = steps * ROWS
-    first = j * item_rows
-    end = tl.minimum(first + item_rows, T)
+    of this rank's tokens [j * ROWS, (j + 1) * ROWS) below T. A token's slot at r rises with t, so these
+    are the items from the first sent token's slot to the last's: one wait each. Scalar loads and
+    runtime loops (reducing a vector of slots here cost ~80 registers a thread; loops unrolled over
+    rows and peers took minutes to compile at R 8 and small D)."""
+    first = j * ROWS
+    end = tl.minimum(first + ROWS, T)
     for r in tl.static_range(R):
         if r != rank:
             a = first  # the item's first token sent to r (a = end - 1 if none)...
@@ -369,61 +357,61 @@ def _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, steps, err_ptr, timeo
                 b -= 1
                 hi = tl.load(slot_ptr + b.to(tl.int64) * R + r)
             if lo >= 0:
-                for item in range(lo // item_rows, hi // item_rows + 1):
+                for item in range(lo // ROWS, hi // ROWS + 1):
                     spin_until(ready_ptr + r * NI + item, epoch, err_ptr, timeout_ns, INTERPRET)
 
 
 @triton.jit
-def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank, steps,
+def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                         R: tl.constexpr, C, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                         CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """Item j of this rank's tokens (t in [j * steps * ROWS, (j + 1) * steps * ROWS) below T, ROWS a
-    step), once the peers' partial rows are here (`_wait_partials`): out[t] = (its own weighted local
-    results, rounded to y's dtype) + the peers' partial rows in rank order, fp32."""
-    steps_end = tl.minimum((j + 1) * steps, tl.cdiv(T, ROWS))
-    for c0 in tl.static_range(0, D, CHUNK):  # columns outermost, as in _combine_remote_item
-        c = c0 + tl.arange(0, CHUNK)
+    """Item j of this rank's tokens (t in [j * ROWS, (j + 1) * ROWS) below T), once the peers' partial
+    rows are here (`_wait_partials`): out[t] = (its own weighted local results, rounded to y's dtype) +
+    the peers' partial rows in rank order, fp32. Slots are read as per-rank vectors (reductions over a
+    [ROWS, R] tile cost registers)."""
+    t = j * ROWS + tl.arange(0, ROWS)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    own = tl.load(slot_ptr + t64 * R + rank, mask=tmask, other=-1)
+    pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, rank * C + own, own >= 0, K, BLOCK_K)
+    cols = tl.arange(0, CHUNK)
+    for c0 in tl.static_range(0, D, CHUNK):
+        c = c0 + cols
         cmask = c < D
-        for step in range(j * steps, steps_end):
-            t = step * ROWS + tl.arange(0, ROWS)
-            tmask = t < T
-            t64 = t.to(tl.int64)
-            own = tl.load(slot_ptr + t64 * R + rank, mask=tmask, other=-1)
-            pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, rank * C + own, own >= 0, K, BLOCK_K)
-            acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
-            acc = acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-            for r in tl.static_range(R):
-                s_r = tl.load(slot_ptr + t64 * R + r, mask=tmask & (tl.full([ROWS], r, tl.int32) != rank), other=-1)
-                row_at = ((parity * R + r) * C + tl.maximum(s_r, 0)).to(tl.int64)
-                part = tl.load(comb_ptr + row_at[:, None] * D + c[None, :],
-                               mask=(s_r >= 0)[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
-                acc += part.to(tl.float32)
-            tl.store(out_ptr + t64[:, None] * D + c[None, :],
-                     acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tmask[:, None] & cmask[None, :])
+        acc = _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D, K, BLOCK_K, CHUNK, ROWS)
+        acc = acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+        for r in tl.static_range(R):
+            s_r = tl.load(slot_ptr + t64 * R + r, mask=tmask & (tl.full([ROWS], r, tl.int32) != rank), other=-1)
+            row_at = ((parity * R + r) * C + tl.maximum(s_r, 0)).to(tl.int64)
+            part = tl.load(comb_ptr + row_at[:, None] * D + c[None, :], mask=(s_r >= 0)[:, None] & cmask[None, :],
+                           other=0.0, cache_modifier=".cg")
+            acc += part.to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * D + c[None, :], acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=tmask[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_ptr, comb_peers, ready_ptr, ready_peers,
-                    ticket_ptr, out_ptr, err_ptr, T, rank, lag, steps, timeout_ns, R: tl.constexpr, C, NI,
-                    D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                    REMOTE: tl.constexpr, LOCAL: tl.constexpr, INTERPRET: tl.constexpr):
+                    control_ptr, out_ptr, T, rank, lag, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, REMOTE: tl.constexpr,
+                    LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
     """Programs take tickets (ticket[0], counted up) in the order: iteration i = ticket // R holds the
     remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
-    i - lag (LOCAL); an item is `steps` steps of ROWS rows. A local item waits only for peers' remote
+    i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote
     items of no larger index, which every rank hands out before it, to programs that never wait: any
-    number of programs, resident or not, finishes. The last program to finish (counter ticket[1]) sets
-    both counters back to 0."""
+    number of programs, resident or not, finishes. The last program to finish (counter control[1]) sets
+    both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
+    timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
     epoch = tl.load(seq_ptr)
     parity = epoch % 2
-    item_rows = steps * ROWS
     items = 0
     if REMOTE:
         for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
-            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), item_rows), 0))
+            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), ROWS), 0))
     if LOCAL:
-        items = tl.maximum(items, tl.cdiv(T, item_rows))
+        items = tl.maximum(items, tl.cdiv(T, ROWS))
     total = (items + lag) * R
-    ticket = tl.atomic_add(ticket_ptr, 1)
+    ticket = tl.atomic_add(control_ptr, 1)
     while ticket < total:
         i = ticket // R
         q = ticket % R
@@ -431,20 +419,20 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
             if REMOTE:
                 r = (rank + 1 + q) % R
                 count = tl.load(count_ptr + r)
-                if i * item_rows < count:
+                if i * ROWS < count:
                     _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
-                                         rank, steps, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
         elif LOCAL:
             j = i - lag
-            if (j >= 0) & (j * item_rows < T):
-                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, steps, err_ptr, timeout_ns, R, NI, ROWS,
+            if (j >= 0) & (j * ROWS < T):
+                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS,
                                INTERPRET)
-                _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank, steps,
+                _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                                     R, C, D, K, BLOCK_K, CHUNK, ROWS)
-        ticket = tl.atomic_add(ticket_ptr, 1)
-    if tl.atomic_add(ticket_ptr + 1, 1) == tl.num_programs(0) - 1:
-        tl.store(ticket_ptr, 0)
-        tl.store(ticket_ptr + 1, 0)
+        ticket = tl.atomic_add(control_ptr, 1)
+    if tl.atomic_add(control_ptr + 1, 1) == tl.num_programs(0) - 1:
+        tl.store(control_ptr, 0)
+        tl.store(control_ptr + 1, 0)
 
 
 @triton.jit
@@ -608,14 +596,14 @@ def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: D
 
 
 def combine_items(capacity: int, hidden: int, launch: HtLaunch) -> int:
-    """NI: items (of launch.combine_item_rows(hidden) rows) of one source rank's receive region: the
-    combine's ready flags per source rank."""
-    return -(-capacity // launch.combine_item_rows(hidden))
+    """NI: items (of combine_tiles(hidden)[1] rows) of one source rank's receive region: the combine's
+    ready flags per source rank."""
+    return -(-capacity // launch.combine_tiles(hidden)[1])
 
 
 def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
             slot_TR: torch.Tensor, seq_1: torch.Tensor, comb_2RCD: torch.Tensor, ready_RI: torch.Tensor,
-            ticket_2: torch.Tensor, peers: dict[str, torch.Tensor], out_TD: torch.Tensor, rank: int,
+            control_3: torch.Tensor, peers: dict[str, torch.Tensor], out_TD: torch.Tensor, rank: int,
             launch: HtLaunch, wait: DeviceWait, remote: bool, local: bool) -> None:
     """The combine, or one half of it. remote: reduce each row received from a peer (its local
     results, weighted, fp32, rounded to y's dtype) into the peer's "comb" region and stamp the peer's
@@ -628,18 +616,21 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
     pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
     slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int32 [1] the call's
     epoch (already incremented); comb_2RCD: this rank's combine region; ready_RI: int32 [R, NI] this
-    rank's ready flags (combine_items); ticket_2: int32 [2], zero (restored after); peers: address
-    tables of "comb" and "comb_ready"; out_TD: [T, D] y's dtype, written by the local half.
+    rank's ready flags (combine_items); control_3: int32 [3], the tickets and finished programs (zero,
+    restored after) and then the error flag, which must be wait.err_1; peers: address tables of "comb"
+    and "comb_ready"; out_TD: [T, D] y's dtype, written by the local half.
     """
+    if wait.err_1.data_ptr() != control_3[2:].data_ptr():
+        raise ValueError("the combine's error flag is control_3[2]: pass a DeviceWait on it")
     _, R, C, D = comb_2RCD.shape
     T, K = slot_TR.shape[0], pos_PK.shape[1]
     chunk, rows = launch.combine_tiles(D)
     _combine_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, slot_TR, seq_1, comb_2RCD, peers["comb"], ready_RI, peers["comb_ready"],
-        ticket_2, out_TD, wait.err_1, T, rank, launch.combine_lag_iterations(R) if remote and local else 0,
-        launch.combine_item_steps, wait.timeout_ns, R=R, C=C, NI=ready_RI.shape[1], D=D, K=K,
-        BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows, REMOTE=remote, LOCAL=local,
-        INTERPRET=wait.interpret, num_warps=launch.combine_warps)
+        control_3, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
+        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+        REMOTE=remote, LOCAL=local, TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret,
+        num_warps=launch.combine_warps)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,

@@ -29,7 +29,7 @@ def spin_until(flag_ptr, target, err_ptr, timeout_ns, INTERPRET: tl.constexpr):
     """
     healthy = tl.load(err_ptr, volatile=True) == 0
     cur = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    start = now_ns(timeout_ns * 0, INTERPRET)
+    start = now_ns(tl.full([], 0, tl.int64), INTERPRET)
     now = start
     while (cur < target) & healthy & (now - start < timeout_ns):
         cur = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
