@@ -49,7 +49,8 @@ def _rank(ctx, args):
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
             out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw, *tiles), **t))
             print(f"rank {ctx.rank} {quant or 'bf16':>9} dispatch {dp}/SM x {dw} warps, combine {cp}/SM x {cw} "
-                  f"warps {tiles}: xfer {t['transfer']:.0f} us, dispatch {t['dispatch']:.0f} us, "
+                  f"warps {tiles}: xfer {t['transfer']:.0f} us, ready {t['ready']:.0f} us, "
+                  f"dispatch {t['dispatch']:.0f} us, "
                   f"combine {t['combine']:.0f} us", flush=True)
     return out
 
@@ -106,12 +107,13 @@ def main() -> None:
         spawn(_profile, 2, "cuda", (args,), timeout_s=args.timeout)
         return
     per_rank = spawn(_rank, 2, "cuda", (args,), timeout_s=args.timeout)
-    print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps[,chunk,step,lag]':>36}   xfer us   disp us   comb us"
-          f"  (rank 0 / 1)")
+    print(f"{'prec':>5} {'disp prog/SM,warps':>18} {'comb prog/SM,warps[,chunk,step,lag]':>36}   xfer us  ready us"
+          f"   disp us   comb us  (rank 0 / 1)")
     for a, b in zip(*per_rank):
         dp, dw, *comb = a["setting"]
         print(f"{a['quant']:>5} {f'{dp},{dw}':>18} {','.join(map(str, comb)):>36}   "
-              f"{a['transfer']:4.0f}/{b['transfer']:<4.0f} {a['dispatch']:4.0f}/{b['dispatch']:<4.0f} "
+              f"{a['transfer']:4.0f}/{b['transfer']:<4.0f} {a['ready']:4.0f}/{b['ready']:<4.0f} "
+              f"{a['dispatch']:4.0f}/{b['dispatch']:<4.0f} "
               f"{a['combine']:4.0f}/{b['combine']:<4.0f}", flush=True)
 
 

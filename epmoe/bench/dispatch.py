@@ -10,7 +10,8 @@ tokens uniformly to top-k distinct experts and time dispatch and combine on each
 spin so that the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
 in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
 - time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
-  rows; and layout: the rest until the batch is ready) and combine (us), and of the `alltoall`
+  rows; ready: also the layout, all the GPU's part; and the rest until the host has read the batch
+  size and built the batch, which is when the call returns) and combine (us), and of the `alltoall`
   dispatcher on the same bf16 data, with the end-to-end ratio (alltoall dispatch + combine) / (ht
   dispatch + combine);
 - link GB/s: the bytes this rank sends to OTHER ranks per second (dispatch: rows + ids + weights
@@ -82,7 +83,9 @@ ALIGN_CYCLES = 2_000_000  # ~1 ms
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
-    rows).
+    rows) and `ready`: the GPU's part (the transfer and the layout; the dispatch also includes the
+    host's read of the batch size, which arrives ahead of the rows, and building the batch: when the
+    host is slow, the stream idles until then).
 
     Each call starts from a barrier over `group` (host and device idle on every rank), then a device
     spin (ALIGN_CYCLES) while the host queues the dispatch, so that all ranks' dispatches start
@@ -97,9 +100,9 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         b = dispatcher._dispatch(x, ids, w)
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
-    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(warmup + iters)]
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(6)] for _ in range(warmup + iters)]
     host = []
-    for i, (e0, e1, e2, e3, e4) in enumerate(ev):
+    for i, (e0, e1, e2, e3, e4, e5) in enumerate(ev):
         x, ids, w = inputs[i % len(inputs)]
         torch.cuda.synchronize()
         dist.barrier(group=group)
@@ -111,11 +114,14 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
             dispatcher._dispatch_wait()
             host.append(time.perf_counter() - t0)
             e1.record()
-            b = dispatcher._expert_batch(pending)
+            layout = dispatcher._layout_ready(pending)
+            e5.record()
+            b = dispatcher._expert_batch(pending, layout)
         else:
             b = dispatcher._dispatch(x, ids, w)
             host.append(time.perf_counter() - t0)
             e1.record()
+            e5.record()
         e2.record()
         torch.cuda._sleep(EXPERTS_STAND_IN_CYCLES)
         e3.record()
@@ -126,7 +132,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     def median(a: int, z: int) -> float:
         return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])
 
-    return dict(dispatch=median(0, 2), transfer=median(0, 1), combine=median(3, 4),
+    return dict(dispatch=median(0, 2), transfer=median(0, 1), ready=median(0, 5), combine=median(3, 4),
                 host=statistics.median(host[warmup:]) * 1e6)
 
 
@@ -164,7 +170,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
             row_b = D * 2 if prec == "bf16" else D + 4 * G
             rows.append(dict(
                 rank=ctx.rank, tokens=T, precision=prec, dispatch_us=d_us, combine_us=c_us,
-                transfer_us=t["transfer"], layout_us=d_us - t["transfer"], host_us=t["host"],
+                transfer_us=t["transfer"], ready_us=t["ready"], host_us=t["host"],
                 transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
                 dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
                 combine_link_GBps=recv_other * D * 2 / c_us / 1e3,
@@ -179,14 +185,14 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("rank", "T", "prec", "disp us", "(xfer", "layout)", "comb us", "xfer link GB/s", "disp link GB/s",
+    head = ("rank", "T", "prec", "disp us", "(xfer", "ready)", "comb us", "xfer link GB/s", "disp link GB/s",
             "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a",
             "host us")
     lines = [" | ".join(head)]
     for r in rows:
         lines.append(" | ".join([
             str(r["rank"]), str(r["tokens"]), r["precision"], f"{r['dispatch_us']:.0f}", f"{r['transfer_us']:.0f}",
-            f"{r['layout_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
+            f"{r['ready_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
             f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
             f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",
             f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}", f"{r['host_us']:.0f}"]))

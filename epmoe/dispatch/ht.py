@@ -373,32 +373,35 @@ class HtDispatcher(Dispatcher):
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
-        return self._expert_batch(pending)
+        return self._expert_batch(pending, self._layout_ready(pending))
 
     def _dispatch_wait(self) -> None:
         """Block the stream until every rank's rows of the latest epoch are here."""
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs,
                            self._wait)
 
-    def _expert_batch(self, pending: HtDispatchPending) -> ExpertBatch:
+    def _layout_ready(self, pending: HtDispatchPending) -> HtLayout:
+        """The batch's layout, the stream waiting for it: started early on the side stream (process
+        groups, host-synced mode), else made now."""
+        if pending.early is None:
+            return self._layout(pending.epoch_1)
+        torch.cuda.current_stream(self.device).wait_event(pending.early.slot.laid_out)
+        return pending.early.layout
+
+    def _expert_batch(self, pending: HtDispatchPending, lay: HtLayout) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
-        copied. The layout was started early on the side stream (process groups, host-synced mode),
-        else it is made now; the host then reads the batch size (unless sync_free)."""
-        early = pending.early
-        if early is None:
-            lay = self._layout(pending.epoch_1)
-            if self.sync_free:
-                n = self.max_recv_rows
-            else:  # emulated ranks: every rank's send has run by now
-                n = int(self._recv_pairs(pending.epoch_1)[0])
-        else:
-            lay = early.layout
-            torch.cuda.current_stream(self.device).wait_event(early.slot.laid_out)
-            early.slot.sized.synchronize()  # host sync
-            n = int(early.slot.host_1[0])
+        copied. The host reads the batch size (unless sync_free): it arrived ahead of the rows, so the
+        host usually has it before the stream has the rows; the batch is built before the read."""
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
                           recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
+        if self.sync_free:
+            n = self.max_recv_rows
+        elif pending.early is None:  # emulated ranks: every rank's send has run by now
+            n = int(self._recv_pairs(pending.epoch_1)[0])
+        else:
+            pending.early.slot.sized.synchronize()  # host sync
+            n = int(pending.early.slot.host_1[0])
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
                            row_index_N=lay.rows_N[:n])
