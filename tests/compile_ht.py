@@ -58,9 +58,11 @@ def main() -> None:
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
-            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32", C="i32",
-                                         NB="i32"),
-            dict(common, BLOCK_L=triton.next_power_of_2(L)), ["ids_ptr", "table_ptr"], 4, 1), failures, False)
+            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
+                                         flag_ptr="*i64", pairs_ptr="*i32", n_ptr="*i32", err_ptr="*i32",
+                                         timeout_ns="i64", C="i32", NB="i32"),
+            dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"], 4, 1),
+            failures, False)
         BL = triton.next_power_of_2(L)
         check(f"layout_scan L{L}", compile_hopper(
             k._layout_scan_kernel,
@@ -85,9 +87,6 @@ def main() -> None:
                  recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32", C="i32"),
             dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
                  BLOCK_NT=k.NUMBER_STEP), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1), failures, False)
-    compile_hopper(k._recv_pairs_kernel, dict(pairs_ptr="*i32", flag_ptr="*i64", epoch_ptr="*i32", out_ptr="*i32",
-                                              err_ptr="*i32", timeout_ns="i64"),
-                   dict(R=2, BLOCK_R=2, INTERPRET=False), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64"),
                    dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)
     if failures:

@@ -393,8 +393,8 @@ def test_layout_scan_matches_torch(monkeypatch):
 def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     """The sender's slots (blocks of 64 tokens, the earlier blocks summed 8 at a time; ids -1 and out of
     range) against a torch prefix sum; the tokens and pairs it stores into every rank's recv_count and
-    pairs buffers and the ids and weights into its receive region, both signalled, and what recv_pairs
-    sums there."""
+    pairs buffers and the ids and weights into its receive region, both signalled, and what the layout's
+    count kernel makes of them (waiting for the signals, or giving up)."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "NUMBER_BLOCK", 64)
     monkeypatch.setattr(ht, "NUMBER_STEP", 8)
@@ -433,10 +433,19 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     flags[0].fill_(6)  # as if every rank had signalled epoch 6
     pairs[0][0] = torch.arange(R, dtype=torch.int32) * 10
     wait = DeviceWait(err_1=torch.zeros(1, dtype=torch.int32, device=_EMU_DEVICE), timeout_ns=10 ** 6)
-    assert ht.recv_pairs(pairs[0], flags[0], epoch_1, wait).tolist() == [10 * R * (R - 1) // 2]
-    assert wait.err_1.item() == 0
+    blocks = ht.layout_blocks(C, K)
+
+    def count():  # rank 0's layout count: its per-block expert counts and the pairs it receives in all
+        return ht.layout_count(bufs["recv_ids"][0], bufs["recv_count"][0], epoch_1, blocks, L, flags[0], pairs[0],
+                               wait)
+    table, pairs_1 = count()
+    assert pairs_1.tolist() == [10 * R * (R - 1) // 2] and wait.err_1.item() == 0
+    lid0 = torch.where((ids >= 0) & (ids < L), ids, -1)[want[:, 0] >= 0]  # rank 0's ids of the tokens sent there
+    per_source = table.cpu().view(R, blocks.blocks_per_rank, L).sum(1)
+    assert torch.equal(per_source[rank], torch.bincount(lid0[lid0 >= 0].long(), minlength=L).int())
+    assert per_source[:rank].eq(0).all()  # recv_count of the other sources: -7, no rows
     flags[0][R - 1] = 5  # rank R - 1 has not signalled epoch 6: the wait gives up and says so
-    ht.recv_pairs(pairs[0], flags[0], epoch_1, wait)
+    count()
     assert wait.err_1.item() == 1
 
 

@@ -5,13 +5,13 @@ sum and store into every destination, ahead of the rows, the tokens and (token, 
 get and each token's destination-local ids and weights, with one signal; then one Triton kernel
 stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
 straight into that rank's receive region, and signals. On the receiver (host-synced mode, process
-group), a side stream waits for the first signal and, while the rows still travel, copies the batch
-size to the host and sorts the received (row, local expert) pairs by expert, with work proportional
-to the pairs received (not to the capacity C); the batch is a row index into the receive buffer
-(ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows through the
-index (experts that do not get a materialized copy, see Experts.reads_row_index). The stream waits for
-the rows' signals and the layout. (Emulated ranks and sync_free mode: no side stream, the receive
-phase makes the layout after the rows.)
+group), a side stream waits for the first signal and, while the rows still travel, sorts the received
+(row, local expert) pairs by expert, with work proportional to the pairs received (not to the
+capacity C), and a copy stream takes the batch size to the host; the batch is a row index into the
+receive buffer (ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows
+through the index (experts that do not get a materialized copy, see Experts.reads_row_index). The
+stream waits for the rows' signals and the layout. (Emulated ranks and sync_free mode: no side
+stream, the receive phase makes the layout after the rows.)
 Combine: one kernel whose programs take items by ticket. A remote item reduces rows received from a
 peer (their local results, fp32, top-k weights) into one row per (token, rank), stored into that peer's
 combine region, and stamps the item's ready flag there with the epoch. A local item, handed out about a
@@ -71,6 +71,7 @@ class HtLayout:
     weights_PK: torch.Tensor  # float32 [P, K]: their top-k weights
     rows_N: torch.Tensor  # int32 [R*C*K]: each batch row's row in recv_x viewed as [2 * R * C, D]
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
+    pairs_1: torch.Tensor  # int32 [1]: (row, slot) pairs received in all: the batch's valid rows
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class HtEarlySlot:
 
     host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
     numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
-    sized: torch.cuda.Event  # recorded on the side stream after the copy to host_1
+    counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
+    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_1
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
 
 
@@ -157,9 +159,9 @@ class HtDispatcher(Dispatcher):
     combined) per dispatcher (not checked: a third overwrites the first one's rows).
 
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
-    stream, a kernel that spins until every rank has numbered its pairs, the copy of the batch size to
-    the host and the layout kernels; dispatch_recv makes the calling stream wait for them. Call the
-    phases from one stream. The combine kernel's programs can all wait (spinning) for peers' partial
+    stream, the layout kernels (the first spins until every rank has numbered its pairs and sums the
+    batch size) and, on an internal copy stream, the copy of the batch size to the host;
+    dispatch_recv makes the calling stream wait for the layout. Call the phases from one stream. The combine kernel's programs can all wait (spinning) for peers' partial
     rows: do not run the combines of two ht dispatchers at once on different streams of a GPU (each
     could hold every SM while waiting for the other's peers).
     """
@@ -217,9 +219,11 @@ class HtDispatcher(Dispatcher):
         self._early = not self.sync_free and not self._emulated
         if self._early:
             self._side = torch.cuda.Stream(self.device)
+            self._copy = torch.cuda.Stream(self.device)
             self._early_slots = [HtEarlySlot(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
-                                             numbered=torch.cuda.Event(), sized=torch.cuda.Event(),
-                                             laid_out=torch.cuda.Event()) for _ in range(2)]
+                                             numbered=torch.cuda.Event(), counted=torch.cuda.Event(),
+                                             sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
+                                 for _ in range(2)]
             self._dispatch_calls = 0  # picks the slot
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
@@ -335,41 +339,43 @@ class HtDispatcher(Dispatcher):
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
     def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor) -> HtEarly:
-        """On the side stream, after `slot.numbered`, while the rows travel: the batch size, copied to
-        the host, and the batch's layout, once every rank's numbering has signalled (its counts, ids
-        and weights are here). The layout's tensors are allocated on the side stream and read on the
-        stream (after `laid_out`): when they are freed, the side stream may reuse their memory at once,
-        which is safe because all its later work starts after a later dispatch's `numbered`, recorded
-        on the stream after everything queued there before."""
+        """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout, once
+        every rank's numbering has signalled (its counts, ids and weights are here), and, on a copy
+        stream once the layout's first kernel has summed it, the batch size to the host. The layout's
+        tensors are allocated on the side stream and read on the stream (after `laid_out`) and the copy
+        stream: when they are freed, the side stream may reuse their memory at once, which is safe
+        because all its later work starts after a later dispatch's `numbered`, recorded on the stream
+        after everything queued there before (and the copy stream's after that dispatch's `counted`)."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
-            n_1 = self._recv_pairs(epoch_1)  # waits for every rank's numbering
-            slot.host_1.copy_(n_1, non_blocking=True)
-            slot.sized.record(self._side)
-            layout = self._layout(epoch_1, numbering_waited=True)
+            layout = self._layout(epoch_1, counted=slot.counted)
             slot.laid_out.record(self._side)
+        self._copy.wait_event(slot.counted)
+        with torch.cuda.stream(self._copy):
+            slot.host_1.copy_(layout.pairs_1, non_blocking=True)
+            slot.sized.record(self._copy)
         epoch_1.record_stream(self._side)
+        layout.pairs_1.record_stream(self._copy)
         return HtEarly(slot=slot, layout=layout)
 
-    def _recv_pairs(self, epoch_1: torch.Tensor) -> torch.Tensor:
-        return kernels.recv_pairs(self.ws.local("pairs"), self.ws.local("meta_flag"), epoch_1, self._wait)
-
-    def _layout(self, epoch_1: torch.Tensor, numbering_waited: bool = False) -> HtLayout:
+    def _layout(self, epoch_1: torch.Tensor, counted: torch.cuda.Event | None = None) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
-        (waits on the device, unless numbering_waited: `_recv_pairs` did). Work proportional to the
-        pairs received: a count and a place kernel over blocks of received rows, with a scan of the
-        [B, L] table of per-block counts between them (one program per few experts); no row is read."""
+        (its first kernel waits on the device; `counted`, if given, is recorded after it). Work
+        proportional to the pairs received: a count and a place kernel over blocks of received rows,
+        with a scan of the [B, L] table of per-block counts between them (one program per few experts);
+        no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        if not numbering_waited:
-            kernels.wait_flags(self.ws.local("meta_flag"), epoch_1, 1, self._wait)
-        table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L)
+        table_BL, pairs_1 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
+                                                 self.ws.local("meta_flag"), self.ws.local("pairs"), self._wait)
+        if counted is not None:
+            counted.record()
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
         return HtLayout(counts_L=counts_L, offsets_L1=offsets_L1, pos_PK=pos_PK, weights_PK=weights_PK,
-                        rows_N=rows_N, recv_counts_R=recv_counts_R)
+                        rows_N=rows_N, recv_counts_R=recv_counts_R, pairs_1=pairs_1)
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
@@ -398,7 +404,7 @@ class HtDispatcher(Dispatcher):
         if self.sync_free:
             n = self.max_recv_rows
         elif pending.early is None:  # emulated ranks: every rank's send has run by now
-            n = int(self._recv_pairs(pending.epoch_1)[0])
+            n = int(lay.pairs_1[0])
         else:
             pending.early.slot.sized.synchronize()  # host sync
             n = int(pending.early.slot.host_1[0])

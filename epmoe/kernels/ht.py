@@ -176,7 +176,8 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
     epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
     recv_count[parity, rank] and pairs[parity, rank]. The last program to finish (counter done[0], back
     to 0 after; its acq_rel chain orders every program's stores before it) signals flag[rank] on every
-    rank: receivers then size their batch (`recv_pairs`) and lay it out before the rows arrive."""
+    rank: receivers then size their batch and lay it out (`layout_count` waits for it) before the rows
+    arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -222,20 +223,6 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == NT - 1:  # the last program
         tl.store(done_ptr, 0)
         _signal(flag_peers, rank, R)
-
-
-@triton.jit
-def _recv_pairs_kernel(pairs_ptr, flag_ptr, epoch_ptr, out_ptr, err_ptr, timeout_ns, R: tl.constexpr,
-                       BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
-    """One program: spin until every rank's numbering of epoch `epoch[0]` signalled flag[r] (acquire,
-    system scope), then out[0] = the (token, slot) pairs received from all ranks."""
-    epoch = tl.load(epoch_ptr)
-    for r in tl.static_range(R):
-        spin_until(flag_ptr + r, epoch, err_ptr, timeout_ns, INTERPRET)
-    rr = tl.arange(0, BLOCK_R)
-    rmask = rr < R
-    pairs = tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rmask, other=0, volatile=True)
-    tl.store(out_ptr, tl.sum(pairs, axis=0))
 
 
 @triton.jit
@@ -451,12 +438,22 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr,
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs_ptr, n_ptr, err_ptr, timeout_ns,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_L: tl.constexpr):
-    """Program (r, b): table[r * NB + b, l] = valid pairs of local expert l among rows
-    [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none)."""
+                         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (r, b), once rank r's numbering of epoch seq[0] has signalled flag[r] (acquire, system
+    scope: its counts, ids and weights are here): table[r * NB + b, l] = valid pairs of local expert l
+    among rows [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none).
+    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all."""
+    epoch = tl.load(seq_ptr)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        for src in tl.static_range(R):
+            spin_until(flag_ptr + src, epoch, err_ptr, timeout_ns, INTERPRET)
+        rr = tl.arange(0, BLOCK_R)
+        tl.store(n_ptr, tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0))
+    else:
+        spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = (parity * R + r) * C + s
     lid = tl.load(ids_ptr + p.to(tl.int64) * K + k, mask=pair, other=-1)
@@ -561,17 +558,6 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     return slot_TR, epoch_1
 
 
-def recv_pairs(pairs_2R: torch.Tensor, flag_R: torch.Tensor, epoch_1: torch.Tensor, wait: DeviceWait) -> torch.Tensor:
-    """int32 [1]: the (token, slot) pairs this rank receives in epoch epoch_1 from all ranks, once every
-    rank's `number_pairs` of that epoch has signalled flag_R (spins on the device until then, or until
-    `wait` gives up; the counts, ids and weights are here after it)."""
-    R = flag_R.shape[0]
-    out = torch.empty(1, dtype=torch.int32, device=flag_R.device)
-    _recv_pairs_kernel[(1,)](pairs_2R, flag_R, epoch_1, out, wait.err_1, wait.timeout_ns, R=R,
-                             BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=1)
-    return out
-
-
 def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor, peers: dict[str, torch.Tensor],
                   rank: int, capacity: int, fp8: bool, launch: HtLaunch) -> None:
     """Store every token's row once into each destination rank's receive region and signal.
@@ -634,18 +620,25 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
-                 num_local_experts: int) -> torch.Tensor:
-    """Per block of received rows, pairs of each local expert: int32 [B, L] (no host sync).
+                 num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, wait: DeviceWait
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
+    epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
 
-    recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r].
+    Returns table_BL int32 [B, L] and pairs_1 int32 [1]: the (row, slot) pairs received from all ranks
+    (the batch's valid rows). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2
+    valid up to recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag");
+    pairs_2R: int32 [2, R] the pairs each rank sends here, per parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, R=R, C=C, K=K, L=L, NB=NB,
-                                  BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k,
-                                  BLOCK_L=triton.next_power_of_2(L), num_warps=4)
-    return table_BL
+    pairs_1 = torch.empty(1, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, pairs_1, wait.err_1,
+                                  wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
+                                  BLOCK_K=blocks.block_k, BLOCK_L=triton.next_power_of_2(L),
+                                  BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=4)
+    return table_BL, pairs_1
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
