@@ -23,7 +23,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages, **options):
+def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     names = fn.arg_names  # attributes are keyed by the kernel's parameter positions
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -33,7 +33,7 @@ def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages, **
         print(f"ASTSource signature differs: {exc}")
         sys.exit(3)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _resource_usage(kernel, key: str) -> int:

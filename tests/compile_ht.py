@@ -1,8 +1,9 @@
 """Compile the `ht` kernels for sm_90 without a GPU (ptxas ships with triton), with the launch configs the
 launchers pick on an H200 (132 SMs) for the benchmark shape (D 7168, K 8, L 128; bf16 and fp8) and a small
 one; fails on compiler errors, register spills, more than 128 registers in the combine at R 2, and on
-16-byte vector accesses missing from the row copies of the benchmark shape. Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be
-driven this way (skip)."""
+16-byte vector accesses missing from the row copies of the benchmark shape. Also compiles the combine
+at R 8. Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot
+be driven this way (skip)."""
 import sys
 
 import triton
@@ -47,8 +48,8 @@ def main() -> None:
                      comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i32", ready_peers="*i64", control_ptr="*i32",
                      out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
                 dict(R=R, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-                     REMOTE=remote, LOCAL=local, TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False), ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"],
-                launch.combine_warps, 1)
+                     REMOTE=remote, LOCAL=local, TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False),
+                ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"], launch.combine_warps, 1)
             tag = f"combine R{R} D{D} K{K} remote={remote} local={local}"
             check(tag, kernel, failures, big)
             regs = registers(kernel)
@@ -61,8 +62,8 @@ def main() -> None:
             k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
                                          flag_ptr="*i64", pairs_ptr="*i32", n_ptr="*i32", err_ptr="*i32",
                                          timeout_ns="i64", C="i32", NB="i32"),
-            dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"], 4, 1),
-            failures, False)
+            dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"],
+            4, 1), failures, False)
         BL = triton.next_power_of_2(L)
         check(f"layout_scan L{L}", compile_hopper(
             k._layout_scan_kernel,
@@ -74,7 +75,7 @@ def main() -> None:
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,
             dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",
-                 w_out_ptr="*fp32", rows_ptr="*i32", C="i32", NB="i32"),
+                 w_out_ptr="*fp32", rows_ptr="*i32", N="i32", C="i32", NB="i32"),
             common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
         check(f"number_block K{K}", compile_hopper(
             k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",

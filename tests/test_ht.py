@@ -317,7 +317,8 @@ def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, la
 
 def test_waits_give_up_instead_of_hanging():
     """A combine whose peer never sends its partial rows, and a dispatch whose peer never sends: their
-    waits give up after wait_timeout_s and set the flag (later waits return at once)."""
+    waits give up after wait_timeout_s and set the flag (later waits return at once); the next size
+    read on the host raises."""
     cfg = _cfg(E=4, K=2, D=64, C=4)
     dispatchers = make_world(cfg, 2, wait_timeout_s=1e-3)
     inputs = [exact_inputs(cfg, r, 3, "random", seed=5, device=_EMU_DEVICE) for r in range(2)]
@@ -327,8 +328,11 @@ def test_waits_give_up_instead_of_hanging():
     d0._emulated = False  # the real ranks' one-kernel combine: its local items wait for rank 1's
     d0.combine_recv(d0.combine_send(expert_fn(batches[0], cfg, 0, 2), batches[0]))
     assert d0.timed_out() and d0.ws.local("control")[:2].tolist() == [0, 0]
+    with pytest.raises(RuntimeError, match="gave up after 0.001 s"):
+        d0.dispatch_recv(d0.dispatch_send(*inputs[0]))
     d0 = make_world(cfg, 2, wait_timeout_s=1e-3)[0]
-    d0.dispatch_recv(d0.dispatch_send(*inputs[0]))  # rank 1 never sends
+    with pytest.raises(RuntimeError, match="rank 0.*rebuild the dispatcher"):
+        d0.dispatch_recv(d0.dispatch_send(*inputs[0]))  # rank 1 never sends
     assert d0.timed_out()
     with pytest.raises(ValueError, match="wait_timeout_s"):
         make_world(cfg, 2, wait_timeout_s=0)
@@ -438,15 +442,14 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     def count():  # rank 0's layout count: its per-block expert counts and the pairs it receives in all
         return ht.layout_count(bufs["recv_ids"][0], bufs["recv_count"][0], epoch_1, blocks, L, flags[0], pairs[0],
                                wait)
-    table, pairs_1 = count()
-    assert pairs_1.tolist() == [10 * R * (R - 1) // 2] and wait.err_1.item() == 0
+    table, size_2 = count()
+    assert size_2.tolist() == [10 * R * (R - 1) // 2, 0] and wait.err_1.item() == 0
     lid0 = torch.where((ids >= 0) & (ids < L), ids, -1)[want[:, 0] >= 0]  # rank 0's ids of the tokens sent there
     per_source = table.cpu().view(R, blocks.blocks_per_rank, L).sum(1)
     assert torch.equal(per_source[rank], torch.bincount(lid0[lid0 >= 0].long(), minlength=L).int())
     assert per_source[:rank].eq(0).all()  # recv_count of the other sources: -7, no rows
     flags[0][R - 1] = 5  # rank R - 1 has not signalled epoch 6: the wait gives up and says so
-    count()
-    assert wait.err_1.item() == 1
+    assert count()[1][1].item() == 1 and wait.err_1.item() == 1
 
 
 def test_float32_dtype():

@@ -119,6 +119,7 @@ def test_divide_rn_is_the_rounded_quotient(source):
 @pytest.mark.gpu
 @pytest.mark.parametrize("source", ["bf16", "fp32"])
 def test_divide_rn_is_the_rounded_quotient_gpu(source):
+    """The same on the GPU, for the `gpu`-marked run there (it skips unmarked tests)."""
     test_divide_rn_is_the_rounded_quotient(source)
 
 

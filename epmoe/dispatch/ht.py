@@ -71,7 +71,7 @@ class HtLayout:
     weights_PK: torch.Tensor  # float32 [P, K]: their top-k weights
     rows_N: torch.Tensor  # int32 [R*C*K]: each batch row's row in recv_x viewed as [2 * R * C, D]
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
-    pairs_1: torch.Tensor  # int32 [1]: (row, slot) pairs received in all: the batch's valid rows
+    size_2: torch.Tensor  # int32 [2]: (row, slot) pairs received in all (the batch's valid rows), error flag
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,17 @@ class HtEarlySlot:
     group). A dispatcher makes two and uses them in turn: a slot is recorded again two dispatches
     later, after its dispatch's receive has read it."""
 
-    host_1: torch.Tensor  # pinned int32 [1]: (row, slot) pairs received in all
+    host_2: torch.Tensor  # pinned int32 [2]: HtLayout.size_2 of its dispatch
     numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
     counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
-    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_1
+    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
 
 
 @dataclass(frozen=True)
 class HtEarly:
-    """A dispatch's side-stream work, queued while its rows travel: the batch size on its way to
-    slot.host_1, and the layout."""
+    """A dispatch's work queued while its rows travel: the layout (side stream), and the batch size on
+    its way to slot.host_2 (copy stream)."""
 
     slot: HtEarlySlot
     layout: HtLayout
@@ -161,9 +161,12 @@ class HtDispatcher(Dispatcher):
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
     stream, the layout kernels (the first spins until every rank has numbered its pairs and sums the
     batch size) and, on an internal copy stream, the copy of the batch size to the host;
-    dispatch_recv makes the calling stream wait for the layout. Call the phases from one stream. The combine kernel's programs can all wait (spinning) for peers' partial
-    rows: do not run the combines of two ht dispatchers at once on different streams of a GPU (each
-    could hold every SM while waiting for the other's peers).
+    dispatch_recv makes the calling stream wait for the layout. Call the phases from one stream. The
+    combine kernel's programs can all wait (spinning) for peers' partial rows: do not run the combines
+    of two ht dispatchers at once on different streams of a GPU (each could hold every SM while
+    waiting for the other's peers). The layout's count kernel also spins, one program per block of
+    received rows, until the peers have numbered their pairs: a late peer keeps those programs on the
+    SMs meanwhile.
     """
 
     name = "ht"
@@ -220,7 +223,7 @@ class HtDispatcher(Dispatcher):
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._copy = torch.cuda.Stream(self.device)
-            self._early_slots = [HtEarlySlot(host_1=torch.empty(1, dtype=torch.int32, pin_memory=True),
+            self._early_slots = [HtEarlySlot(host_2=torch.empty(2, dtype=torch.int32, pin_memory=True),
                                              numbered=torch.cuda.Event(), counted=torch.cuda.Event(),
                                              sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
@@ -342,20 +345,21 @@ class HtDispatcher(Dispatcher):
         """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout, once
         every rank's numbering has signalled (its counts, ids and weights are here), and, on a copy
         stream once the layout's first kernel has summed it, the batch size to the host. The layout's
-        tensors are allocated on the side stream and read on the stream (after `laid_out`) and the copy
-        stream: when they are freed, the side stream may reuse their memory at once, which is safe
-        because all its later work starts after a later dispatch's `numbered`, recorded on the stream
-        after everything queued there before (and the copy stream's after that dispatch's `counted`)."""
+        tensors are allocated on the side stream and read on the stream (after `laid_out`): when they
+        are freed, the side stream may reuse their memory at once, which is safe because all its later
+        work starts after a later dispatch's `numbered`, recorded on the stream after everything queued
+        there before. The size (layout.size_2) is also read on the copy stream: record_stream keeps its
+        memory until that copy is done."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
             layout = self._layout(epoch_1, counted=slot.counted)
             slot.laid_out.record(self._side)
         self._copy.wait_event(slot.counted)
         with torch.cuda.stream(self._copy):
-            slot.host_1.copy_(layout.pairs_1, non_blocking=True)
+            slot.host_2.copy_(layout.size_2, non_blocking=True)
             slot.sized.record(self._copy)
         epoch_1.record_stream(self._side)
-        layout.pairs_1.record_stream(self._copy)
+        layout.size_2.record_stream(self._copy)
         return HtEarly(slot=slot, layout=layout)
 
     def _layout(self, epoch_1: torch.Tensor, counted: torch.cuda.Event | None = None) -> HtLayout:
@@ -367,7 +371,7 @@ class HtDispatcher(Dispatcher):
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        table_BL, pairs_1 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
+        table_BL, size_2 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
                                                  self.ws.local("meta_flag"), self.ws.local("pairs"), self._wait)
         if counted is not None:
             counted.record()
@@ -375,7 +379,7 @@ class HtDispatcher(Dispatcher):
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
         return HtLayout(counts_L=counts_L, offsets_L1=offsets_L1, pos_PK=pos_PK, weights_PK=weights_PK,
-                        rows_N=rows_N, recv_counts_R=recv_counts_R, pairs_1=pairs_1)
+                        rows_N=rows_N, recv_counts_R=recv_counts_R, size_2=size_2)
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
@@ -398,16 +402,23 @@ class HtDispatcher(Dispatcher):
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
         copied. The host reads the batch size (unless sync_free): it arrived ahead of the rows, so the
-        host usually has it before the stream has the rows; the batch is built before the read."""
+        host usually has it before the stream has the rows; the batch is built before the read. With it
+        comes the error flag: RuntimeError if a device-side wait of this rank gave up (in this call's
+        layout or any call before)."""
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
                           recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
         if self.sync_free:
             n = self.max_recv_rows
-        elif pending.early is None:  # emulated ranks: every rank's send has run by now
-            n = int(lay.pairs_1[0])
         else:
-            pending.early.slot.sized.synchronize()  # host sync
-            n = int(pending.early.slot.host_1[0])
+            if pending.early is None:  # emulated ranks: every rank's send has run by now
+                n, error = lay.size_2.tolist()
+            else:
+                pending.early.slot.sized.synchronize()  # host sync
+                n, error = pending.early.slot.host_2.tolist()
+            if error:
+                raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
+                                   f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
+                                   "not match); its results are garbage from then on: rebuild the dispatcher")
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
                            row_index_N=lay.rows_N[:n])

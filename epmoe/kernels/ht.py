@@ -382,7 +382,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
                     control_ptr, out_ptr, T, rank, lag, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr,
                     BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, REMOTE: tl.constexpr,
                     LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Programs take tickets (ticket[0], counted up) in the order: iteration i = ticket // R holds the
+    """Programs take tickets (control[0], counted up) in the order: iteration i = ticket // R holds the
     remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
     i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote
     items of no larger index, which every rank hands out before it, to programs that never wait: any
@@ -445,13 +445,15 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs
     """Program (r, b), once rank r's numbering of epoch seq[0] has signalled flag[r] (acquire, system
     scope: its counts, ids and weights are here): table[r * NB + b, l] = valid pairs of local expert l
     among rows [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none).
-    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all."""
+    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all and
+    n[1] = the error flag after its waits (non-zero: some wait of this rank gave up)."""
     epoch = tl.load(seq_ptr)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for src in tl.static_range(R):
             spin_until(flag_ptr + src, epoch, err_ptr, timeout_ns, INTERPRET)
         rr = tl.arange(0, BLOCK_R)
         tl.store(n_ptr, tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0))
+        tl.store(n_ptr + 1, tl.load(err_ptr, volatile=True))
     else:
         spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
@@ -498,13 +500,13 @@ def _layout_scan_kernel(table_ptr, count_ptr, seq_ptr, counts_ptr, offsets_ptr, 
 
 
 @triton.jit
-def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, rows_ptr,
+def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr, w_out_ptr, rows_ptr, N,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (r, b): batch row of each valid pair (row p = r * C + s, slot k) of its block =
     start[r * NB + b, expert] + earlier pairs of the block with that expert, so rows within an
     expert keep the order (source rank, slot, k). Writes pos[p, k] (-1: no local expert), the
-    pair's weight w_out[p, k], and rows[pos] = the received row's index in recv_x viewed as
+    pair's weight w_out[p, k], and rows[pos] (pos < N) = the received row's index in recv_x viewed as
     [2 * R * C, D] (parity * R * C + p)."""
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
     p = r * C + s
@@ -518,7 +520,8 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     pos = start + rank_in_block
     tl.store(pos_ptr + p * K + k, tl.where(valid, pos, -1), mask=pair)
     tl.store(w_out_ptr + p * K + k, w, mask=pair)
-    tl.store(rows_ptr + pos, parity * R * C + p, mask=pair & valid)
+    # pos < N always, unless a wait gave up and the ids changed after the count (then no stray store)
+    tl.store(rows_ptr + pos, parity * R * C + p, mask=pair & valid & (pos < N))
 
 
 # number_pairs: tokens per program, and blocks per step of the prefix over earlier blocks
@@ -625,20 +628,21 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
     """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
     epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
 
-    Returns table_BL int32 [B, L] and pairs_1 int32 [1]: the (row, slot) pairs received from all ranks
-    (the batch's valid rows). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2
+    Returns table_BL int32 [B, L] and size_2 int32 [2]: the (row, slot) pairs received from all ranks
+    (the batch's valid rows), and wait.err_1 after the kernel's waits (so that one copy to the host
+    brings both). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2
     valid up to recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag");
     pairs_2R: int32 [2, R] the pairs each rank sends here, per parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    pairs_1 = torch.empty(1, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, pairs_1, wait.err_1,
+    size_2 = torch.empty(2, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, size_2, wait.err_1,
                                   wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
                                   BLOCK_K=blocks.block_k, BLOCK_L=triton.next_power_of_2(L),
                                   BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=4)
-    return table_BL, pairs_1
+    return table_BL, size_2
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
@@ -685,6 +689,6 @@ def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch
     weights_PK = torch.empty(R * C, K, dtype=torch.float32, device=dev)
     rows_N = torch.zeros(max_rows, dtype=torch.int32, device=dev)
     _layout_place_kernel[(R, blocks.blocks_per_rank)](
-        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, rows_N, R=R, C=C, K=K, L=L,
-        NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
+        recv_ids, recv_w, recv_count, seq_1, start_BL, pos_PK, weights_PK, rows_N, max_rows, R=R, C=C, K=K,
+        L=L, NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, num_warps=4)
     return pos_PK, weights_PK, rows_N

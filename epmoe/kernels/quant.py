@@ -46,9 +46,11 @@ def divide_rn(x, s):
     """x / s rounded to nearest (as tl.math.div_rn and torch divide), float32, for x of shape S and a
     divisor s that broadcasts to S (one per fp8 group, say). One correctly rounded reciprocal y = 1 / s
     per divisor, then per element q0 = x * y (within an ulp) and Markstein's correction
-    q = fma(fma(-q0, s, x), y, q0), exactly the rounded quotient while s, y and the quotient are
-    normal (a smaller quotient is below e4m3's range: it still rounds to the same fp8). A zero
-    quotient keeps x's sign. Three flops an element instead of a full-range IEEE division."""
+    q = fma(fma(-q0, s, x), y, q0): exactly the rounded quotient while s, y, the quotient and the
+    remainder x - q0 * s are normal (|x| >= 2^-100 or so; below that it may be an ulp off). In fp8
+    quantization s >= 1e-10 / 448 (~2^-42), so every quotient that e4m3 does not round to zero
+    (|q| >= 2^-10) has |x| >= 2^-52: the fp8 values are exact. A zero quotient keeps x's sign. Three
+    flops an element instead of a full-range IEEE division."""
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     s_b = tl.broadcast_to(s, x.shape)
     y_b = tl.broadcast_to(y, x.shape)
