@@ -95,11 +95,13 @@ class ExpertBatch:
                        x_scale=None if self.x_scale is None else self.x_scale.index_select(0, rows))
 
 
-def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 check_range: bool = True) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
 
-    Reads ids_TK's min and max on the host (one sync) to check the range, except while a CUDA graph is
-    being captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
+    Reads ids_TK's min and max on the host (one sync) to check the range, unless check_range is False
+    (ids that are in range by construction, such as epmoe.routing.route's) or a CUDA graph is being
+    captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
     """
     D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
     if x_TD.dim() != 2 or x_TD.shape[1] != D:
@@ -119,7 +121,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
-    if T and ids_TK.numel() and not capturing:
+    if check_range and T and ids_TK.numel() and not capturing:
         lo, hi = torch.stack(torch.aminmax(ids_TK)).tolist()  # one host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi

@@ -67,6 +67,22 @@ def test_fused_moe_refuses_bad_input():
         assert words in str(e.value)
     with pytest.raises(ValueError, match="x_TD is on meta"):
         moe(x.to("meta"), logits)
+
+
+def test_fused_moe_reads_ids_on_the_host_only_when_the_caller_gives_them(monkeypatch):
+    """The range check of ids_TK (a host sync) runs for caller-given ids, not for the router's own,
+    which are in range by construction."""
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    moe = build_layer(cfg, make_weights(cfg, 0, "cpu"), None, "local", "reference", "cpu")
+    x, logits = torch.randn(3, 8), torch.randn(3, 4)
+    w, ids = epmoe.route(logits, cfg)
+    reads = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: reads.append(t.shape) or aminmax(t))
+    by_router = moe(x, logits)
+    assert reads == []
+    torch.testing.assert_close(moe(x, weights_TK=w, ids_TK=ids), by_router, rtol=0, atol=0)
+    assert reads == [ids.shape]
     with pytest.raises(ValueError, match=r"w13 must be \[E=4"):
         moe.load_experts(torch.zeros(3, 16, 8), torch.zeros(4, 8, 8))
     with pytest.raises(ValueError, match=r"w2 must be \[E=4"):
