@@ -144,7 +144,8 @@ class HtDispatcher(Dispatcher):
             default `ht_launch` for the row size and device. Fixed for the dispatcher's lifetime.
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
-            until the dispatcher is rebuilt. A hang guard only: no healthy call waits that long.
+            until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
+            (sync_free mode: check `timed_out()`). A hang guard only: no healthy call waits that long.
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).

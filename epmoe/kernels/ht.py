@@ -384,9 +384,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
                     LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
     """Programs take tickets (control[0], counted up) in the order: iteration i = ticket // R holds the
     remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
-    i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote
-    items of no larger index, which every rank hands out before it, to programs that never wait: any
-    number of programs, resident or not, finishes. The last program to finish (counter control[1]) sets
+    i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote items of no
+    larger index, which every rank hands out before it, to programs that never wait: any number of
+    programs, resident or not, finishes. The last program to finish (counter control[1]) sets
     both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
     epoch = tl.load(seq_ptr)
@@ -630,9 +630,9 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
 
     Returns table_BL int32 [B, L] and size_2 int32 [2]: the (row, slot) pairs received from all ranks
     (the batch's valid rows), and wait.err_1 after the kernel's waits (so that one copy to the host
-    brings both). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2
-    valid up to recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag");
-    pairs_2R: int32 [2, R] the pairs each rank sends here, per parity.
+    brings both). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to
+    recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag"); pairs_2R: int32
+    [2, R] the pairs each rank sends here, per parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
