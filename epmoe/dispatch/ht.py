@@ -1,7 +1,7 @@
 """`ht` dispatcher: high-throughput NVLink dispatch/combine over symmetric memory, no NCCL in the data path.
 
-Dispatch, on the sender: one kernel numbers its (token, destination rank) pairs with a device prefix
-sum and stores into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
+Dispatch, on the sender: two kernels number its (token, destination rank) pairs with a device prefix
+sum and store into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
 get and each token's destination-local ids and weights, with one signal; then one Triton kernel
 stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
 straight into that rank's receive region, and signals. On the receiver (host-synced mode, process
@@ -27,10 +27,9 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     token in slot s there), comb_ready int32 [R, NI] (epoch of the latest combine item i that rank r
     stored here; NI = kernels.combine_items), meta_flag / dispatch_flag int64 [R] (monotonic: one add
     per call from the numbering, per sending program and call from the send kernel), dispatch_seq /
-    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [2] and control int32
-    [3] (the numbering kernel's finished programs and block tickets, the combine's tickets and finished
-    programs: used locally, back to 0 after each call; control[2]: a device-side wait of this rank gave
-    up), number_stamp int32 [number_blocks(C)] (local: the epoch of each numbering block's counts).
+    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and control int32
+    [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
+    locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads that region of
 call n only if A sent it rows then; A's combine n then waited for B's remote combine items of call n,
@@ -82,7 +81,7 @@ class HtEarlySlot:
     later, after its dispatch's receive has read it."""
 
     host_2: torch.Tensor  # pinned int32 [2]: HtLayout.size_2 of its dispatch
-    numbered: torch.cuda.Event  # recorded on the stream after the numbering kernel (ids and weights sent)
+    numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
     counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
     sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
@@ -250,9 +249,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("control", (3,), torch.int32),
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
-            # the numbering kernel's finished programs and block tickets, and its blocks' stamps (local)
-            BufferSpec("number_done", (2,), torch.int32),
-            BufferSpec("number_stamp", (kernels.number_blocks(C),), torch.int32),
+            BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
             BufferSpec("dispatch_seq", (1,), torch.int32),
             BufferSpec("combine_seq", (1,), torch.int32),
         ]
@@ -333,8 +330,7 @@ class HtDispatcher(Dispatcher):
         seq = self.ws.local("dispatch_seq")
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
-        slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"),
-                                                self.ws.local("number_stamp"), R,
+        slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
                                                 self.capacity, L, self._peers, self.rank)
         slot = None
         if self._early:

@@ -6,10 +6,10 @@ the epoch being a device counter in the workspace), flags are monotonic: a sende
 signalling program (or once) per call and a receiver waits until a flag reaches epoch * programs, or
 (the combine's per-item flags) the sender stores the epoch and the receiver waits until it is there.
 
-The sender numbers its (token, destination) pairs in one kernel (per-block counts, then the prefix
-over earlier blocks by look-back), which also sends, ahead of the rows, each destination's token and
-pair counts and the tokens' ids and weights (signalled once, by its last program to finish); then the
-rows' kernel. So the receiver knows its batch size and lays the batch out while the
+The sender numbers its (token, destination) pairs in two kernels (per-block counts, then the prefix
+over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
+counts and the tokens' ids and weights (signalled once, by its last program to finish); then the rows'
+kernel. So the receiver knows its batch size and lays the batch out while the
 rows travel. The layout (expert-sorted batch) costs work proportional to the (row, slot) pairs
 received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
 received rows (blocks past a source's count do nothing) and write each batch row's index into the
@@ -137,28 +137,16 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 
 
 @triton.jit
-def _number_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, stamp_ptr, seq_ptr, epoch_ptr, done_ptr,
-                   recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers,
-                   T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
-    """Block b (taken by ticket, done[1]: blocks of earlier tickets are running or done), tokens
-    [b * BLOCK_T, (b + 1) * BLOCK_T): counts the tokens it sends to each rank r and their (token, slot)
-    pairs (table[0 or 1, b, r]) and stamps them (stamp[b] = epoch, release); adds the counts of the
-    earlier blocks, once stamped, to its tokens' slots: slot[t, r] = tokens before t sent to r if t has
-    an expert on r, else -1 (ids outside [0, R*L) count as none); stores its tokens' K destination-local
-    ids (-1 for other ranks' experts) and weights into each destination's receive region at the token's
-    slot. The last block also stores the tokens and the pairs sent to rank r into r's
-    recv_count[parity, rank] and pairs[parity, rank]. The last program to finish (counter done[0]; its
-    acq_rel chain orders every program's stores before it) advances the epoch (seq = epoch[0] =
-    seq + 1, which every program read before), sets both counters back to 0, and signals flag[rank]
-    on every rank: receivers then size their batch and lay it out (`layout_count` waits for it) before
-    the rows arrive. Reads ids one slot at a time (a [BLOCK_T, K] tile reduced over K counted wrong on
-    an H200 at K 8)."""
-    b = tl.atomic_add(done_ptr + 1, 1)
-    epoch = tl.load(seq_ptr) + 1
-    parity = epoch % 2
+def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT,
+                         R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T): slot[t, r] = earlier tokens of the block sent
+    to rank r if token t has an expert on r, else -1 (ids outside [0, R*L) count as none);
+    table[0, b, r] = tokens of the block sent to r, table[1, b, r] = their (token, slot) pairs on r.
+    Program 0 writes this call's epoch, epoch[0] = seq + 1 (seq itself advances in `_number_fix_kernel`).
+    Reads ids one slot at a time (a [BLOCK_T, K] tile reduced over K counted wrong on an H200 at K 8)."""
+    b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
-    rmask = rr < R
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -168,33 +156,59 @@ def _number_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, stamp_ptr, seq_ptr, epoc
         dest = tl.where((e >= 0) & (e < R * L), e // L, -1)
         hits += (dest[:, None] == rr[None, :]).to(tl.int32)
     wants = (hits > 0).to(tl.int32)
+    rmask = rr < R
+    tl.store(slot_ptr + t64[:, None] * R + rr[None, :], tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1, -1),
+             mask=tmask[:, None] & rmask[None, :])
     tl.store(table_ptr + b * R + rr, tl.sum(wants, axis=0), mask=rmask)
     tl.store(table_ptr + (NT + b) * R + rr, tl.sum(hits, axis=0), mask=rmask)
-    tl.debug_barrier()
-    tl.atomic_xchg(stamp_ptr + b, epoch, sem="release", scope="gpu")
-    sent_before = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens and pairs of the earlier blocks, per rank
-    pairs_before = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if b == 0:
+        tl.store(epoch_ptr, tl.load(seq_ptr) + 1)
+
+
+@triton.jit
+def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, done_ptr,
+                       recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers,
+                       T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
+    """Program b adds the tokens that earlier blocks sent to each rank to its block's slots, then stores
+    its tokens' K destination-local ids (-1 for other ranks' experts) and weights into each
+    destination's receive region at the token's slot. Program 0 also advances the epoch (seq =
+    epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
+    recv_count[parity, rank] and pairs[parity, rank]. The last program to finish (counter done[0], back
+    to 0 after; its acq_rel chain orders every program's stores before it) signals flag[rank] on every
+    rank: receivers then size their batch and lay it out (`layout_count` waits for it) before the rows
+    arrive."""
+    b = tl.program_id(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    base = tl.zeros([BLOCK_R], dtype=tl.int32)
     for b0 in range(0, b, BLOCK_NT):
         bb = b0 + tl.arange(0, BLOCK_NT)
-        earlier = bb < b
-        seen = tl.atomic_add(stamp_ptr + bb, 0, mask=earlier, sem="acquire", scope="gpu")
-        while tl.min(tl.where(earlier, seen, epoch), axis=0) < epoch:
-            seen = tl.atomic_add(stamp_ptr + bb, 0, mask=earlier, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-        at = table_ptr + bb[:, None] * R + rr[None, :]
-        m = earlier[:, None] & rmask[None, :]
-        sent_before += tl.sum(tl.load(at, mask=m, other=0, cache_modifier=".cg"), axis=0)
-        pairs_before += tl.sum(tl.load(at + NT * R, mask=m, other=0, cache_modifier=".cg"), axis=0)
-    slot = tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1 + sent_before[None, :], -1)
-    tl.store(slot_ptr + t64[:, None] * R + rr[None, :], slot, mask=tmask[:, None] & rmask[None, :])
-    if b == NT - 1:  # the totals
-        sent, pairs = sent_before + tl.sum(wants, axis=0), pairs_before + tl.sum(hits, axis=0)
+        earlier = (bb < b)[:, None] & rmask[None, :]
+        base += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=earlier, other=0), axis=0)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = (t < T)[:, None] & rmask[None, :]
+    at = slot_ptr + t.to(tl.int64)[:, None] * R + rr[None, :]
+    slot = tl.load(at, mask=tmask, other=-1)
+    slot = tl.where(slot >= 0, slot + base[None, :], -1)
+    tl.store(at, slot, mask=tmask)
+    epoch = tl.load(epoch_ptr)
+    parity = epoch % 2
+    if b == 0:
+        rows = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens
+        pairs = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for b0 in range(0, NT, BLOCK_NT):
+            bb = b0 + tl.arange(0, BLOCK_NT)
+            valid = (bb < NT)[:, None] & rmask[None, :]
+            rows += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=valid, other=0), axis=0)
+            pairs += tl.sum(tl.load(table_ptr + (NT + bb[:, None]) * R + rr[None, :], mask=valid, other=0), axis=0)
+        tl.store(seq_ptr, epoch)
         for r in tl.static_range(R):
-            at = parity * R + rank
-            tl.store(_peer(recv_count_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, sent, 0), axis=0))
-            tl.store(_peer(pairs_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+            tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, rows, 0), axis=0))
+            tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
     kk = tl.arange(0, BLOCK_K)
-    kmask = tmask[:, None] & (kk < K)[None, :]
+    t64 = t.to(tl.int64)
+    kmask = (t < T)[:, None] & (kk < K)[None, :]
     ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
     w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
     for r in tl.static_range(R):
@@ -208,9 +222,6 @@ def _number_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, stamp_ptr, seq_ptr, epoc
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys") == NT - 1:  # the last program
         tl.store(done_ptr, 0)
-        tl.store(done_ptr + 1, 0)
-        tl.store(seq_ptr, epoch)
-        tl.store(epoch_ptr, epoch)
         _signal(flag_peers, rank, R)
 
 
@@ -513,20 +524,14 @@ def _layout_place_kernel(ids_ptr, w_ptr, count_ptr, seq_ptr, start_ptr, pos_ptr,
     tl.store(rows_ptr + pos, parity * R * C + p, mask=pair & valid & (pos < N))
 
 
-# number_pairs: tokens per program, and blocks per step of the look-back over earlier blocks
+# number_pairs: tokens per program, and blocks per step of the prefix over earlier blocks
 NUMBER_BLOCK = 128
 NUMBER_STEP = 1024
 
 
-def number_blocks(capacity: int) -> int:
-    """Programs (blocks of NUMBER_BLOCK tokens) of the numbering kernel for up to `capacity` tokens: the
-    size of its stamp buffer."""
-    return max(1, triton.cdiv(capacity, NUMBER_BLOCK))
-
-
-def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_2: torch.Tensor,
-                 stamp_B: torch.Tensor, world_size: int, capacity: int, num_local_experts: int,
-                 peers: dict[str, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_1: torch.Tensor,
+                 world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Number the (token, destination rank) pairs, advance the epoch, and send every rank, ahead of the
     rows, what it needs to size and lay out its batch.
 
@@ -536,10 +541,8 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     and "pairs" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's destination-local ids and
     weights into each destination's "recv_ids" / "recv_w" at the token's slot, then signals r's
     "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers). ids_TK: int32/int64
-    [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_2: int32 [2], zero: the kernel's
-    finished programs and block tickets (back to zero after); stamp_B: int32 [number_blocks(capacity)],
-    this rank's, kept across calls: epochs of the blocks whose counts are out (below the epoch before).
-    One kernel (T / NUMBER_BLOCK programs), no host sync."""
+    [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero: a counter of the
+    second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
@@ -547,11 +550,14 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     epoch_1 = torch.empty(1, dtype=torch.int32, device=dev)
     NT = max(1, triton.cdiv(T, NUMBER_BLOCK))
     table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
-    _number_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, stamp_B, seq_1, epoch_1, done_2,
-                          peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
-                          peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K, L=num_local_experts,
-                          BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK,
-                          BLOCK_R=triton.next_power_of_2(R), BLOCK_NT=NUMBER_STEP, num_warps=4)
+    BLOCK_R = triton.next_power_of_2(R)
+    _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, seq_1, epoch_1, T, NT, R=R, K=K, L=num_local_experts,
+                                BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
+    _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, seq_1, epoch_1, done_1,
+                              peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
+                              peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K, L=num_local_experts,
+                              BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R,
+                              BLOCK_NT=NUMBER_STEP, num_warps=4)
     return slot_TR, epoch_1
 
 
