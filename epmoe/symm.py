@@ -58,24 +58,34 @@ class Workspace:
         local(name): this rank's buffer as a tensor (shape and dtype of its spec).
         peers(name): int64 [R] on the device, each rank's address of buffer `name` (cast to a pointer in
             Triton: tl.load(table + r).to(tl.pointer_type(dtype))).
+        peer(name, r): rank r's buffer `name` as a tensor on this device (its memory mapped here: copies
+            into it move bytes to rank r, by the copy engine on a GPU).
     """
 
-    def __init__(self, specs: list[BufferSpec], raw: torch.Tensor, bases: list[int], rank: int) -> None:
+    def __init__(self, specs: list[BufferSpec], raws: list[torch.Tensor], bases: list[int], rank: int) -> None:
+        """raws: every rank's whole workspace as a uint8 tensor addressable here (raws[rank]: this
+        rank's allocation); bases: their addresses."""
         self.specs = {s.name: s for s in specs}
         self._offsets, _ = _offsets(specs)
-        self._raw = raw  # keeps this rank's allocation alive
+        self._raws = raws  # raws[rank] keeps this rank's allocation alive
         self.rank, self.world_size = rank, len(bases)
-        self.base_R = torch.tensor(bases, dtype=torch.int64, device=raw.device)
+        self.base_R = torch.tensor(bases, dtype=torch.int64, device=raws[rank].device)
         self._peers = {name: self.base_R + off for name, off in self._offsets.items()}
         # views made once: a dispatcher looks buffers up several times per call
-        self._local = {name: raw[off:off + self.specs[name].nbytes].view(self.specs[name].dtype)
-                       .view(self.specs[name].shape) for name, off in self._offsets.items()}
+        self._local = {name: self._view(rank, name) for name in self._offsets}
+
+    def _view(self, r: int, name: str) -> torch.Tensor:
+        spec, off = self.specs[name], self._offsets[name]
+        return self._raws[r][off:off + spec.nbytes].view(spec.dtype).view(spec.shape)
 
     def local(self, name: str) -> torch.Tensor:
         return self._local[name]
 
     def peers(self, name: str) -> torch.Tensor:
         return self._peers[name]
+
+    def peer(self, name: str, r: int) -> torch.Tensor:
+        return self._local[name] if r == self.rank else self._view(r, name)
 
 
 def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: torch.device) -> Workspace:
@@ -91,7 +101,9 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     raw.zero_()
     handle = symm_mem.rendezvous(raw, group=group.group_name)
     dist.barrier(group=group)
-    ws = Workspace(specs, raw, list(handle.buffer_ptrs), dist.get_rank(group))
+    rank = dist.get_rank(group)
+    raws = [raw if r == rank else handle.get_buffer(r, (total,), torch.uint8) for r in range(handle.world_size)]
+    ws = Workspace(specs, raws, list(handle.buffer_ptrs), rank)
     ws.handle = handle
     return ws
 
@@ -128,7 +140,7 @@ class EmulatedGroup:
             _, total = _offsets(specs)
             raws = [torch.zeros(total, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
             bases = [r.data_ptr() for r in raws]
-            table[key] = [Workspace(specs, raw, bases, r) for r, raw in enumerate(raws)]
+            table[key] = [Workspace(specs, raws, bases, r) for r in range(self.world_size)]
         return table[key][self.rank]
 
 

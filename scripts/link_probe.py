@@ -1,14 +1,15 @@
 """NVLink ceiling probe on 2 GPUs: how fast can 64 MiB move to the peer, by which mechanism, in one
 direction and in both at once (the dispatch / combine case)?
 
-    python3 scripts/link_probe.py [--out OUT_DIR] [--mib 64] [--reps 10]
+    python3 scripts/link_probe.py [--out OUT_DIR] [--mib 64] [--reps 10] [--match copy]
 
 Mechanisms (each a kernel or call that moves the same bytes from a local tensor to the peer's symmetric
 buffer, or reads the peer's buffer into a local tensor):
 - push: Triton loads local rows and stores them into the peer's buffer (what `ht` does),
 - pull: Triton loads the peer's buffer and stores locally,
 - tma_push / tma_pull: the same through tensor descriptors (TMA bulk copies through shared memory),
-- copy: `copy_` into the peer's buffer view (copy engine).
+- copy: `copy_` into the peer's buffer view (copy engine); split over several streams at once;
+  and the copy engine and SM stores at once (a share of the rows each, on two streams).
 Each repeat starts with a small NCCL all_reduce so both ranks' kernels start together; the time is the
 CUDA-event span of the kernel alone, median over repeats, as GB/s per direction (the link's spec is
 478 GB/s). Prints a table and writes OUT_DIR/link_probe.json.
@@ -64,8 +65,41 @@ def _variants(sms: int):
         for kind in ("tma_push", "tma_pull"):
             out.append((f"{kind} {per_sm}/SM x{warps}w [{br},{bc}] st{stages}", kind,
                         dict(programs=per_sm * sms, num_warps=warps, BR=br, BC=bc, STAGES=stages)))
-    out.append(("copy (copy engine)", "copy", {}))
+    for streams in (2, 4):
+        out.append((f"copy on {streams} streams", "copy_split", dict(streams=streams, share=1.0)))
+    for share in (0.5, 0.7, 0.85):
+        out.append((f"copy {share:.0%} + push 1/SM x8w", "copy_split",
+                    dict(streams=1, share=share, programs=sms, num_warps=8, ROWS=2)))
+    out.append(("copy (copy engine)", "copy", {}))  # last: the data check reads what it left
     return out
+
+
+_side_streams: list[torch.cuda.Stream] = []
+
+
+def _copy_split(s: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """The first `share` of the rows by `copy_` split over s["streams"] side streams, the rest by the push
+    kernel on the current stream; the current stream then waits for the side streams."""
+    while len(_side_streams) < s["streams"]:
+        _side_streams.append(torch.cuda.Stream())
+    main = torch.cuda.current_stream()
+    n = src.shape[0]
+    copied = int(n * s["share"]) // 2 * 2  # the push kernel takes whole pairs of rows
+    bounds = [copied * i // s["streams"] for i in range(s["streams"] + 1)]
+    start = torch.cuda.Event()
+    start.record(main)
+    done = []
+    for stream, a, b in zip(_side_streams, bounds, bounds[1:]):
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            dst[a:b].copy_(src[a:b])
+            done.append(torch.cuda.Event())
+            done[-1].record(stream)
+    if copied < n:
+        _move[(s["programs"],)](src[copied:], dst[copied:], n - copied, COLS=COLS, ROWS=s["ROWS"],
+                                num_warps=s["num_warps"])
+    for event in done:
+        main.wait_event(event)
 
 
 def _launch(kind: str, s: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -80,6 +114,8 @@ def _launch(kind: str, s: dict, src: torch.Tensor, dst: torch.Tensor) -> None:
         tiles = (n // s["BR"]) * (COLS // s["BC"])
         _move_tma[(s["programs"],)](sd, dd, tiles, TILES_PER_ROW=COLS // s["BC"], BR=s["BR"], BC=s["BC"],
                                     STAGES=s["STAGES"], num_warps=s["num_warps"])
+    elif kind == "copy_split":
+        _copy_split(s, src, dst)
     else:
         dst.copy_(src)
 
@@ -96,7 +132,7 @@ def _rank(ctx, args):
     tick = torch.zeros(1, device=ctx.device)
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     rows = []
-    for name, kind, s in _variants(sms):
+    for name, kind, s in [v for v in _variants(sms) if args.match in v[0] or v[1] == "copy"]:
         # push / copy: local src -> peer buffer; pull: peer buffer -> local sink
         a, b = (peer_x, sink) if kind.endswith("pull") else (src, peer_x)
         for direction in ("both", "one"):
@@ -134,6 +170,7 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--match", default="", help="only the mechanisms whose name contains this (and the copy)")
     args = p.parse_args()
     for key, value in NVLINK_ENV.items():
         os.environ.setdefault(key, value)

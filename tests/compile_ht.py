@@ -77,18 +77,23 @@ def main() -> None:
             dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",
                  w_out_ptr="*fp32", rows_ptr="*i32", N="i32", C="i32", NB="i32"),
             common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
-        check(f"number_block K{K}", compile_hopper(
-            k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
-                                         epoch_ptr="*i32", T="i32", NT="i32"),
-            dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2), ["ids_ptr", "slot_ptr"], 4, 1), failures, False)
-        check(f"number_fix K{K}", compile_hopper(
-            k._number_fix_kernel,
-            dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32", epoch_ptr="*i32",
-                 done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64", recv_ids_peers="*i64",
-                 recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32", C="i32"),
-            dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
-                 BLOCK_NT=k.NUMBER_STEP), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1), failures, False)
-    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64"),
+        for dense in (False, True):
+            check(f"number_block K{K} dense {dense}", compile_hopper(
+                k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
+                                             epoch_ptr="*i32", T="i32", NT="i32"),
+                dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2, DENSE=dense), ["ids_ptr", "slot_ptr"], 4, 1),
+                failures, False)
+            check(f"number_fix K{K} dense {dense}", compile_hopper(
+                k._number_fix_kernel,
+                dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
+                     epoch_ptr="*i32", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
+                     recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32",
+                     C="i32"),
+                dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
+                     BLOCK_NT=k.NUMBER_STEP, DENSE=dense), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1),
+                failures, False)
+    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64",
+                                        skip="i32"),
                    dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)
     if failures:
         print("\n".join(failures))

@@ -278,6 +278,48 @@ def test_two_dispatches_in_flight():
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
 
 
+@pytest.mark.parametrize("R,E,K,D,Ts,routing", [c for c in CASES if c[0] > 2] + [(2, 8, 8, 72, [5, 0], "holes")])
+def test_copy_engine_round_trip_exact(R, E, K, D, Ts, routing):
+    """Copy-engine mode: every token's row goes to every rank at its own row (t), tokens with no expert
+    there included (ids -1 at the receiver); batches and sums as with the send kernel."""
+    cfg = _cfg(E=E, K=K, D=D)
+    dispatchers = make_world(cfg, R, copy_engine=True)
+    assert all(d.copy_engine for d in dispatchers)
+    check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, routing, seed=1, device=_EMU_DEVICE)
+                                        for r, T in enumerate(Ts)])
+
+
+def test_copy_engine_calls_alternate_parities():
+    """Copy-engine mode over calls of shrinking and growing T: rows and ids left from an earlier call in
+    the same parity (rows past this call's T, or of tokens now sent nowhere) are never read; two batches
+    in flight keep their rows."""
+    cfg = _cfg(E=4, K=2, D=32, C=6)
+    dispatchers = make_world(cfg, 2, copy_engine=True)
+    for call, Ts in enumerate(([6, 2], [1, 6], [3, 0], [6, 6])):
+        check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, "holes", seed=60 + call, device=_EMU_DEVICE)
+                                            for r, T in enumerate(Ts)])
+    inputs = [[exact_inputs(cfg, r, 4 - r, "random", seed=70 + call, device=_EMU_DEVICE) for r in range(2)]
+              for call in range(2)]
+    batches = [emulate_dispatch(dispatchers, call_inputs) for call_inputs in inputs]
+    for call_inputs, call_batches in zip(inputs, batches):
+        outs = emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(call_batches)],
+                               call_batches)
+        for r, (x, ids, w) in enumerate(call_inputs):
+            torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
+
+
+def test_copy_engine_choice():
+    """None picks the copy engine only for a process group with bf16 rows, host-synced, and a routing that
+    sends nearly every token to every rank; True is refused where it cannot work."""
+    from epmoe.dispatch.ht import HtDispatcher
+    groups = EmulatedGroup.world(2)
+    assert not HtDispatcher(_cfg(K=8, E=8), groups[0], device=_EMU_DEVICE).copy_engine  # emulated: off
+    with pytest.raises(ValueError, match="fp8"):
+        HtDispatcher(_cfg(D=128, quant="fp8_block"), groups[0], device=_EMU_DEVICE, copy_engine=True)
+    with pytest.raises(ValueError, match="sync_free"):
+        HtDispatcher(_cfg(), groups[0], device=_EMU_DEVICE, copy_engine=True, sync_free=True)
+
+
 @pytest.mark.parametrize("R,Ts,lag,dtype", [
     (2, [11, 7], 0.0, torch.float32),
     (2, [0, 11], 2.0, torch.float32),
@@ -541,26 +583,30 @@ _GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for
 def _gpu_exact(ctx, quant, calls):
     """Each case: `calls` dispatches with new inputs, two in flight at a time (dispatch n, dispatch n+1,
     then their combines), with and without sync_free; the first two cases also with one combine
-    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free).
+    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free);
+    bf16: every case with the copy engine and with the send kernel (the default picks one per K).
     No device-side wait gives up."""
     import dataclasses
 
     from epmoe.dispatch.ht import HtDispatcher
     from epmoe.kernels.ht import ht_launch
     R = ctx.world_size
-    runs = [(case, sf, {}) for sf in (False, True) for case in _GPU_EXACT_CASES]
-    runs += [(case, False, dict(combine_programs=1)) for case in _GPU_EXACT_CASES[:2]]
-    for (E, K, D_bf16, D_fp8, Ts, routing), sync_free, changes in runs:
+    runs = [(case, sf, {}, None) for sf in (False, True) for case in _GPU_EXACT_CASES]
+    runs += [(case, False, dict(combine_programs=1), None) for case in _GPU_EXACT_CASES[:2]]
+    if quant is None:
+        runs += [(case, False, {}, engine) for case in _GPU_EXACT_CASES for engine in (False, True)]
+    for (E, K, D_bf16, D_fp8, Ts, routing), sync_free, changes, copy_engine in runs:
         D = D_fp8 if quant else D_bf16
         E, Ts = multiple_of(E, R), (Ts * R)[:R]  # a token count per rank
         cfg = _cfg(E=E, K=K, D=D, C=max(Ts) + 3, quant=quant)
         launch = dataclasses.replace(ht_launch(cfg.row_bytes, ctx.device), **changes)
-        d = HtDispatcher(cfg, ctx.group, sync_free=sync_free, launch=launch, wait_timeout_s=10.0)
+        d = HtDispatcher(cfg, ctx.group, sync_free=sync_free, launch=launch, copy_engine=copy_engine,
+                         wait_timeout_s=10.0)
         L = cfg.num_experts // R
         for first in range(0, calls, 2):
             in_flight = []
             for call in range(first, min(first + 2, calls)):
-                case = (E, K, D, Ts, routing, sync_free, changes, call)
+                case = (E, K, D, Ts, routing, sync_free, changes, d.copy_engine, call)
                 inputs = [exact_inputs(cfg, r, T, routing, seed=20 + call) for r, T in enumerate(Ts)]
                 x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
                 b = d.dispatch(x, ids, w)
@@ -585,7 +631,7 @@ def _gpu_exact(ctx, quant, calls):
                     rowfn = lambda x: dequantize_act_ref(*quantize_act_ref(x))  # noqa: E731
                     expected, tol = expected_combine(cfg, R, *inputs[ctx.rank], rowfn), dict(rtol=0.13, atol=0.05)
                 torch.testing.assert_close(out.cpu(), expected, **tol)
-        assert not d.timed_out(), (E, K, D, Ts, routing, sync_free, changes)
+        assert not d.timed_out(), (E, K, D, Ts, routing, sync_free, changes, d.copy_engine)
     return True
 
 

@@ -4,7 +4,8 @@
     python -m epmoe.bench.dispatch --out OUT_DIR [--tokens 512,1024,4096,8192] [--hidden 7168] [--topk 8]
                                    [--experts 256] [--iters 20] [--warmup 5]
 
-For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine), both ranks route T random
+For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine; and "bf16 SM", the rows
+moved by the send kernel, where the default bf16 dispatcher moves them by copy engine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
 (median after warm-up; two input sets alternate; each call starts from a barrier and a short device
 spin so that the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
@@ -151,6 +152,8 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         cfg_bf16 = MoEConfig(**common, max_tokens_per_rank=T)
         hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group),
                "fp8": HtDispatcher(MoEConfig(**common, max_tokens_per_rank=T, quant="fp8_block"), ctx.group)}
+        if hts["bf16"].copy_engine:  # the default moves bf16 rows by copy engine here: the send kernel beside it
+            hts["bf16 SM"] = HtDispatcher(cfg_bf16, ctx.group, copy_engine=False)
         kept.append(hts)
         inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
         # pairs this rank sends to other ranks, and rows it receives (from others / in all), set 0
@@ -167,9 +170,10 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
         for prec, ht in hts.items():
             t = time_dispatcher(ht, inputs, args.warmup, args.iters, ctx.group)
             d_us, c_us = t["dispatch"], t["combine"]
-            row_b = D * 2 if prec == "bf16" else D + 4 * G
+            row_b = D + 4 * G if prec == "fp8" else D * 2
             rows.append(dict(
-                rank=ctx.rank, tokens=T, precision=prec, dispatch_us=d_us, combine_us=c_us,
+                rank=ctx.rank, tokens=T, precision=prec, rows_by="copy engine" if ht.copy_engine else "send kernel",
+                dispatch_us=d_us, combine_us=c_us,
                 transfer_us=t["transfer"], ready_us=t["ready"], host_us=t["host"],
                 transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
                 dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
@@ -185,13 +189,14 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("rank", "T", "prec", "disp us", "(xfer", "ready)", "comb us", "xfer link GB/s", "disp link GB/s",
+    head = ("rank", "T", "prec", "rows by", "disp us", "(xfer", "ready)", "comb us", "xfer link GB/s", "disp link GB/s",
             "comb link GB/s", "disp DeepEP GB/s", "comb DeepEP GB/s", "a2a disp us", "a2a comb us", "x vs a2a",
             "host us")
     lines = [" | ".join(head)]
     for r in rows:
         lines.append(" | ".join([
-            str(r["rank"]), str(r["tokens"]), r["precision"], f"{r['dispatch_us']:.0f}", f"{r['transfer_us']:.0f}",
+            str(r["rank"]), str(r["tokens"]), r["precision"], r["rows_by"], f"{r['dispatch_us']:.0f}",
+            f"{r['transfer_us']:.0f}",
             f"{r['ready_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
             f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
             f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",

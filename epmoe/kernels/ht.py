@@ -139,10 +139,10 @@ def _signal(flag_peers, rank, R: tl.constexpr):
 @triton.jit
 def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT,
                          R: tl.constexpr, K: tl.constexpr, L: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, DENSE: tl.constexpr):
     """Program b, tokens [b * BLOCK_T, (b + 1) * BLOCK_T): slot[t, r] = earlier tokens of the block sent
-    to rank r if token t has an expert on r, else -1 (ids outside [0, R*L) count as none);
-    table[0, b, r] = tokens of the block sent to r, table[1, b, r] = their (token, slot) pairs on r.
+    to rank r (DENSE: t itself) if token t has an expert on r, else -1 (ids outside [0, R*L) count as
+    none); table[0, b, r] = tokens of the block sent to r, table[1, b, r] = their (token, slot) pairs on r.
     Program 0 writes this call's epoch, epoch[0] = seq + 1 (seq itself advances in `_number_fix_kernel`).
     Reads ids one slot at a time (a [BLOCK_T, K] tile reduced over K counted wrong on an H200 at K 8)."""
     b = tl.program_id(0)
@@ -157,7 +157,11 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT
         hits += (dest[:, None] == rr[None, :]).to(tl.int32)
     wants = (hits > 0).to(tl.int32)
     rmask = rr < R
-    tl.store(slot_ptr + t64[:, None] * R + rr[None, :], tl.where(wants > 0, tl.cumsum(wants, axis=0) - 1, -1),
+    if DENSE:
+        slot = tl.broadcast_to(t[:, None], [BLOCK_T, BLOCK_R])
+    else:
+        slot = tl.cumsum(wants, axis=0) - 1
+    tl.store(slot_ptr + t64[:, None] * R + rr[None, :], tl.where(wants > 0, slot, -1),
              mask=tmask[:, None] & rmask[None, :])
     tl.store(table_ptr + b * R + rr, tl.sum(wants, axis=0), mask=rmask)
     tl.store(table_ptr + (NT + b) * R + rr, tl.sum(hits, axis=0), mask=rmask)
@@ -169,29 +173,31 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT
 def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, done_ptr,
                        recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers,
                        T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr, DENSE: tl.constexpr):
     """Program b adds the tokens that earlier blocks sent to each rank to its block's slots, then stores
     its tokens' K destination-local ids (-1 for other ranks' experts) and weights into each
     destination's receive region at the token's slot. Program 0 also advances the epoch (seq =
     epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
-    recv_count[parity, rank] and pairs[parity, rank]. The last program to finish (counter done[0], back
+    recv_count[parity, rank] and pairs[parity, rank]. DENSE (slot = t): no slots to add; every rank
+    gets T rows, and the ids (all -1) of the tokens not meant for it. The last program to finish (counter done[0], back
     to 0 after; its acq_rel chain orders every program's stores before it) signals flag[rank] on every
     rank: receivers then size their batch and lay it out (`layout_count` waits for it) before the rows
     arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
-    base = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for b0 in range(0, b, BLOCK_NT):
-        bb = b0 + tl.arange(0, BLOCK_NT)
-        earlier = (bb < b)[:, None] & rmask[None, :]
-        base += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=earlier, other=0), axis=0)
     t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = (t < T)[:, None] & rmask[None, :]
     at = slot_ptr + t.to(tl.int64)[:, None] * R + rr[None, :]
     slot = tl.load(at, mask=tmask, other=-1)
-    slot = tl.where(slot >= 0, slot + base[None, :], -1)
-    tl.store(at, slot, mask=tmask)
+    if not DENSE:
+        base = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for b0 in range(0, b, BLOCK_NT):
+            bb = b0 + tl.arange(0, BLOCK_NT)
+            earlier = (bb < b)[:, None] & rmask[None, :]
+            base += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=earlier, other=0), axis=0)
+        slot = tl.where(slot >= 0, slot + base[None, :], -1)
+        tl.store(at, slot, mask=tmask)
     epoch = tl.load(epoch_ptr)
     parity = epoch % 2
     if b == 0:
@@ -203,20 +209,27 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
             rows += tl.sum(tl.load(table_ptr + bb[:, None] * R + rr[None, :], mask=valid, other=0), axis=0)
             pairs += tl.sum(tl.load(table_ptr + (NT + bb[:, None]) * R + rr[None, :], mask=valid, other=0), axis=0)
         tl.store(seq_ptr, epoch)
+        if DENSE:
+            rows = tl.zeros([BLOCK_R], dtype=tl.int32) + T
         for r in tl.static_range(R):
-            tl.store(_peer(recv_count_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, rows, 0), axis=0))
-            tl.store(_peer(pairs_peers, r, tl.int32) + parity * R + rank, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+            at = parity * R + rank
+            tl.store(_peer(recv_count_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, rows, 0), axis=0))
+            tl.store(_peer(pairs_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
     kk = tl.arange(0, BLOCK_K)
     t64 = t.to(tl.int64)
     kmask = (t < T)[:, None] & (kk < K)[None, :]
     ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
     w = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0)
     for r in tl.static_range(R):
-        slot_r = tl.sum(tl.where(rr[None, :] == r, slot, 0), axis=1)
-        row_at = ((parity * R + rank) * C + tl.maximum(slot_r, 0)).to(tl.int64)
         lid = ids - r * L
         lid = tl.where((ids >= 0) & (lid >= 0) & (lid < L), lid, -1)
-        smask = kmask & (slot_r >= 0)[:, None]
+        if DENSE:
+            row_at = ((parity * R + rank) * C + t).to(tl.int64)
+            smask = kmask
+        else:
+            slot_r = tl.sum(tl.where(rr[None, :] == r, slot, 0), axis=1)
+            row_at = ((parity * R + rank) * C + tl.maximum(slot_r, 0)).to(tl.int64)
+            smask = kmask & (slot_r >= 0)[:, None]
         tl.store(_peer(recv_ids_peers, r, tl.int32) + row_at[:, None] * K + kk[None, :], lid, mask=smask)
         tl.store(_peer(recv_w_peers, r, tl.float32) + row_at[:, None] * K + kk[None, :], w, mask=smask)
     tl.debug_barrier()
@@ -265,12 +278,14 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, seq_ptr, err_ptr, timeout_ns, R: tl.constexpr, PROGRAMS: tl.constexpr,
+def _wait_kernel(flag_ptr, seq_ptr, err_ptr, timeout_ns, skip, R: tl.constexpr, PROGRAMS: tl.constexpr,
                  INTERPRET: tl.constexpr):
-    """One program: spin until every source rank's flag reaches epoch * PROGRAMS (acquire, system scope)."""
+    """One program: spin until every source rank's flag but flag[skip] reaches epoch * PROGRAMS
+    (acquire, system scope)."""
     target = tl.load(seq_ptr).to(tl.int64) * PROGRAMS
     for r in tl.static_range(R):
-        spin_until(flag_ptr + r, target, err_ptr, timeout_ns, INTERPRET)
+        if r != skip:
+            spin_until(flag_ptr + r, target, err_ptr, timeout_ns, INTERPRET)
 
 
 @triton.jit
@@ -530,12 +545,13 @@ NUMBER_STEP = 1024
 
 
 def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_1: torch.Tensor,
-                 world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int,
+                 dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Number the (token, destination rank) pairs, advance the epoch, and send every rank, ahead of the
     rows, what it needs to size and lay out its batch.
 
-    Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order),
+    Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order;
+    dense: row t itself, every rank getting all T rows, those of tokens not meant for it with ids -1),
     -1 when none of its ids is on r; epoch_1 int32 [1]: this call's epoch (seq_1 after its increment
     on the device). Stores the tokens and the (token, slot) pairs sent to rank r into r's "recv_count"
     and "pairs" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's destination-local ids and
@@ -552,12 +568,12 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
     BLOCK_R = triton.next_power_of_2(R)
     _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, seq_1, epoch_1, T, NT, R=R, K=K, L=num_local_experts,
-                                BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, num_warps=4)
+                                BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, DENSE=dense, num_warps=4)
     _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, seq_1, epoch_1, done_1,
                               peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
                               peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K, L=num_local_experts,
                               BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R,
-                              BLOCK_NT=NUMBER_STEP, num_warps=4)
+                              BLOCK_NT=NUMBER_STEP, DENSE=dense, num_warps=4)
     return slot_TR, epoch_1
 
 
@@ -577,10 +593,10 @@ def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor
         BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
-def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: DeviceWait) -> None:
+def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: DeviceWait, skip: int = -1) -> None:
     """Block the stream (one spinning program) until every rank's `programs` signalling programs
-    signalled epoch seq_1 into flag_R, or `wait` gives up."""
-    _wait_kernel[(1,)](flag_R, seq_1, wait.err_1, wait.timeout_ns, R=flag_R.shape[0], PROGRAMS=programs,
+    signalled epoch seq_1 into flag_R (flag_R[skip] excepted), or `wait` gives up."""
+    _wait_kernel[(1,)](flag_R, seq_1, wait.err_1, wait.timeout_ns, skip, R=flag_R.shape[0], PROGRAMS=programs,
                        INTERPRET=wait.interpret, num_warps=1)
 
 
