@@ -212,9 +212,9 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
         if DENSE:
             rows = tl.zeros([BLOCK_R], dtype=tl.int32) + T
         for r in tl.static_range(R):
-            at = parity * R + rank
-            tl.store(_peer(recv_count_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, rows, 0), axis=0))
-            tl.store(_peer(pairs_peers, r, tl.int32) + at, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+            mine = parity * R + rank
+            tl.store(_peer(recv_count_peers, r, tl.int32) + mine, tl.sum(tl.where(rr == r, rows, 0), axis=0))
+            tl.store(_peer(pairs_peers, r, tl.int32) + mine, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
     kk = tl.arange(0, BLOCK_K)
     t64 = t.to(tl.int64)
     kmask = (t < T)[:, None] & (kk < K)[None, :]
