@@ -39,6 +39,10 @@ def main() -> None:
                      flag_peers="*i64", T="i32", rank="i32", C="i32"),
                 dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
                 ["x_ptr", "slot_ptr"], warps, 1), failures, big)
+        check(f"copy_rows D{D}", compile_hopper(
+            k._copy_rows_kernel, dict(src_ptr="*bf16", dst_ptr="*bf16", T="i32"),
+            dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
+            ["src_ptr", "dst_ptr"], warps, 1), failures, big)
         chunk, rows = launch.combine_tiles(D)
         for R, remote, local in ((2, True, True), (2, False, True), (8, True, True)):
             # real ranks (2 and 8); the local half of emulated ones

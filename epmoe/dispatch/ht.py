@@ -251,7 +251,9 @@ class HtDispatcher(Dispatcher):
         if self.copy_engine:
             # each rank's receive rows and the int32 low word of its dispatch_flag[this rank] (the flag is an
             # int64 that only this rank writes, with epochs < 2^31; little-endian)
-            self._rows_at = [self.ws.peer("recv_x", r) for r in range(self.world_size)]
+            # [parity][r]: this rank's receive rows at rank r, [C, D]
+            self._rows_at = [[self.ws.peer("recv_x", r)[parity, self.rank] for r in range(self.world_size)]
+                             for parity in range(2)]
             self._flag_word_at = [self.ws.peer("dispatch_flag", r).view(torch.int32)[2 * self.rank:][:1]
                                   for r in range(self.world_size)]
             if not self._emulated:
@@ -395,18 +397,19 @@ class HtDispatcher(Dispatcher):
         peers = [r for r in range(self.world_size) if r != self.rank]
         if self._emulated:
             for r in peers:
-                self._rows_at[r][parity, self.rank, :T].copy_(x_TD)
+                self._rows_at[parity][r][:T].copy_(x_TD)
             return
         self._rows_start.record(torch.cuda.current_stream(self.device))
         self._rows_stream.wait_event(self._rows_start)
         with torch.cuda.stream(self._rows_stream):
             for r in peers:
-                self._rows_at[r][parity, self.rank, :T].copy_(x_TD, non_blocking=True)
+                self._rows_at[parity][r][:T].copy_(x_TD, non_blocking=True)
         x_TD.record_stream(self._rows_stream)
 
     def _copy_rows_signal(self, x_TD: torch.Tensor, epoch_1: torch.Tensor, numbered: torch.cuda.Event | None) -> None:
         """Copy-engine mode, after the numbering (`numbered`: recorded after it on the stream): this rank's
-        own rows into its receive region (on the stream), and, behind the rows on the rows stream, the
+        own rows into its receive region (a kernel on the stream: a local copy by `copy_` would take a
+        copy engine too), and, behind the rows on the rows stream, the
         epoch into every peer's dispatch_flag[this rank] (what `_dispatch_wait` waits for); the stream
         then waits for the rows stream (x_TD is the caller's again after that)."""
         T = x_TD.shape[0]
@@ -424,7 +427,7 @@ class HtDispatcher(Dispatcher):
                     self._flag_word_at[r].copy_(epoch_1, non_blocking=True)
                 self._rows_done.record(self._rows_stream)
             epoch_1.record_stream(self._rows_stream)
-        self._rows_at[self.rank][parity, self.rank, :T].copy_(x_TD)
+        kernels.copy_rows(x_TD, self._rows_at[parity][self.rank], self.launch)
         if not self._emulated:
             torch.cuda.current_stream(self.device).wait_event(self._rows_done)
 

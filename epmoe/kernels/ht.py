@@ -278,6 +278,18 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
 
 
 @triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, T, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                      PROGRAMS: tl.constexpr):
+    """dst[t] = src[t] for t < T (rows of D elements, contiguous), ROWS rows a program step."""
+    cols = tl.arange(0, BLOCK_D)
+    for first in range(tl.program_id(0) * ROWS, T, PROGRAMS * ROWS):
+        t64 = (first + tl.arange(0, ROWS)).to(tl.int64)
+        at = t64[:, None] * D + cols[None, :]
+        m = (t64 < T)[:, None] & (cols < D)[None, :]
+        tl.store(dst_ptr + at, tl.load(src_ptr + at, mask=m), mask=m)
+
+
+@triton.jit
 def _wait_kernel(flag_ptr, seq_ptr, err_ptr, timeout_ns, skip, R: tl.constexpr, PROGRAMS: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """One program: spin until every source rank's flag but flag[skip] reaches epoch * PROGRAMS
@@ -591,6 +603,14 @@ def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor
         x_TD, slot_TR, seq_1, peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"],
         peers["dispatch_flag"], T, rank, R=slot_TR.shape[1], C=capacity, D=D, G=G, FP8=fp8,
         BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
+
+
+def copy_rows(src_TD: torch.Tensor, dst_TD: torch.Tensor, launch: HtLaunch) -> None:
+    """dst_TD[:T] = src_TD ([T, D], both contiguous) on the SMs: a local copy that leaves the copy engine
+    to the rows going to peers (copy-engine mode)."""
+    T, D = src_TD.shape
+    _copy_rows_kernel[(launch.programs,)](src_TD, dst_TD, T, D=D, BLOCK_D=triton.next_power_of_2(D),
+                                          ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
 
 
 def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: DeviceWait, skip: int = -1) -> None:
