@@ -10,6 +10,7 @@ import triton
 
 from compile_hopper import compile_hopper, registers, spill_bytes
 from epmoe.kernels import ht as k
+from epmoe.kernels.sync import _barrier_kernel
 
 SMS = 132
 COMBINE_REGISTERS = 128  # 4 programs of 4 warps an SM (65536 registers)
@@ -96,6 +97,8 @@ def main() -> None:
                 dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
                      BLOCK_NT=k.NUMBER_STEP, DENSE=dense), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1),
                 failures, False)
+    compile_hopper(_barrier_kernel, dict(flag_peers="*i64", flag_ptr="*i64", err_ptr="*i32", timeout_ns="i64",
+                                         target="i64", rank="i32"), dict(R=2, INTERPRET=False), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64",
                                         skip="i32"),
                    dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)

@@ -357,6 +357,20 @@ def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, la
         assert not any(d.timed_out() for d in dispatchers)
 
 
+def test_device_barrier_signals_every_rank():
+    """Emulated ranks run in turn, so rank 1's barrier (first) gives up waiting for rank 0's signal; rank
+    0's then finds every signal there and passes; each rank's flags count one call from each rank."""
+    from epmoe.kernels.sync import device_barrier
+    from epmoe.symm import BufferSpec
+    specs = [BufferSpec("flag", (2,), torch.int64), BufferSpec("err", (1,), torch.int32)]
+    ws = [g.workspace("barrier", specs, torch.device(_EMU_DEVICE)) for g in EmulatedGroup.world(2)]
+    waits = [DeviceWait(err_1=w.local("err"), timeout_ns=20_000) for w in ws]
+    for r in (1, 0):
+        device_barrier(ws[r].peers("flag"), ws[r].local("flag"), 1, r, waits[r])
+    assert [w.local("err").item() for w in ws] == [0, 1]
+    assert all(w.local("flag").tolist() == [1, 1] for w in ws)
+
+
 def test_waits_give_up_instead_of_hanging():
     """A combine whose peer never sends its partial rows, and a dispatch whose peer never sends: their
     waits give up after wait_timeout_s and set the flag (later waits return at once); the next size

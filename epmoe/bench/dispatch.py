@@ -7,8 +7,8 @@
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine; and "bf16 SM", the rows
 moved by the send kernel, where the default bf16 dispatcher moves them by copy engine), both ranks route T random
 tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
-(median after warm-up; two input sets alternate; each call starts from a barrier and a short device
-spin so that the ranks begin together; a ~0.2 ms device spin between dispatch and combine stands
+(median after warm-up; two input sets alternate; each call starts from a barrier, a short device
+spin and a device barrier, so that the ranks' GPUs begin together; a ~0.2 ms device spin between dispatch and combine stands
 in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
 - time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
   rows; ready: also the layout, all the GPU's part; and the rest until the host has read the batch
@@ -81,6 +81,35 @@ EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 ALIGN_CYCLES = 2_000_000  # ~1 ms
 
 
+class _StartLine:
+    """A device barrier of the ranks of a group (epmoe.kernels.sync.device_barrier), so that their timed
+    calls start together on the GPUs, not only on the hosts (a host barrier leaves the hosts' wake-ups
+    up to ~25 us apart). One per group for the process: its symmetric buffer is never freed."""
+
+    _by_group: dict = {}
+
+    def __init__(self, group, device: torch.device) -> None:
+        from ..kernels.sync import DeviceWait
+        from ..symm import BufferSpec, torch_workspace
+        R = dist.get_world_size(group)
+        self.ws = torch_workspace([BufferSpec("flag", (R,), torch.int64), BufferSpec("err", (1,), torch.int32)],
+                                  group, device)
+        self.rank, self.calls = dist.get_rank(group), 0
+        self.wait = DeviceWait(err_1=self.ws.local("err"), timeout_ns=10 ** 10)
+
+    @classmethod
+    def of(cls, group, device: torch.device) -> "_StartLine":
+        key = (dist.get_world_size(group), dist.get_rank(group), str(device), id(group))
+        if key not in cls._by_group:
+            cls._by_group[key] = cls(group, device)
+        return cls._by_group[key]
+
+    def __call__(self) -> None:
+        from ..kernels.sync import device_barrier
+        self.calls += 1
+        device_barrier(self.ws.peers("flag"), self.ws.local("flag"), self.calls, self.rank, self.wait)
+
+
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
@@ -89,8 +118,8 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     host is slow, the stream idles until then).
 
     Each call starts from a barrier over `group` (host and device idle on every rank), then a device
-    spin (ALIGN_CYCLES) while the host queues the dispatch, so that all ranks' dispatches start
-    together and the time is the GPU's, not the host's launches. Without it the ranks can lock into a
+    spin (ALIGN_CYCLES) while the host queues the dispatch, and a device barrier (`_StartLine`), so that
+    all ranks' dispatches start together on the GPUs and the time is the GPU's, not the host's launches. Without it the ranks can lock into a
     skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
     queued all_reduce before each call did not prevent it: the hosts' launch times differ). Also
     returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send and the
@@ -101,6 +130,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         b = dispatcher._dispatch(x, ids, w)
         ys.append(torch.randn(b.out_shape, device=x.device).to(torch.bfloat16))
         dispatcher._combine(ys[-1], b)
+    start_line = _StartLine.of(group if group is not None else dist.group.WORLD, inputs[0][0].device)
     ev = [[torch.cuda.Event(enable_timing=True) for _ in range(6)] for _ in range(warmup + iters)]
     host = []
     for i, (e0, e1, e2, e3, e4, e5) in enumerate(ev):
@@ -108,6 +138,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         torch.cuda.synchronize()
         dist.barrier(group=group)
         torch.cuda._sleep(ALIGN_CYCLES)
+        start_line()
         e0.record()
         t0 = time.perf_counter()
         if ht:
@@ -129,6 +160,8 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         dispatcher._combine(ys[i % len(inputs)], b)
         e4.record()
     torch.cuda.synchronize()
+    if start_line.wait.err_1.item():
+        raise RuntimeError("bench: the device barrier before a timed call gave up (a rank did not get there)")
 
     def median(a: int, z: int) -> float:
         return statistics.median(e[a].elapsed_time(e[z]) * 1e3 for e in ev[warmup:])

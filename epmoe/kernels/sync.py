@@ -50,3 +50,21 @@ class DeviceWait:
     def interpret(self) -> bool:
         """Whether the kernels run under the Triton interpreter (CPU tensors): no GPU timer there."""
         return self.err_1.device.type != "cuda"
+
+
+@triton.jit(do_not_specialize=["target"])
+def _barrier_kernel(flag_peers, flag_ptr, err_ptr, timeout_ns, target, rank, R: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """flag[rank] += 1 on every rank r (release, system scope), then spin until every flag here is >= target."""
+    for r in tl.static_range(R):
+        tl.atomic_add(tl.load(flag_peers + r).to(tl.pointer_type(tl.int64)) + rank, 1, sem="release", scope="sys")
+    for r in tl.static_range(R):
+        spin_until(flag_ptr + r, target, err_ptr, timeout_ns, INTERPRET)
+
+
+def device_barrier(flag_peers_R: torch.Tensor, flag_R: torch.Tensor, calls: int, rank: int, wait: DeviceWait) -> None:
+    """Block the stream until every rank's stream has reached its `calls`-th device_barrier on these flags
+    (flag_R: int64 [R] of a symmetric workspace, zero at first; flag_peers_R: its address on each rank).
+    The ranks' streams leave it within the link's latency of each other, whenever their hosts queued it."""
+    _barrier_kernel[(1,)](flag_peers_R, flag_R, wait.err_1, wait.timeout_ns, calls, rank, R=flag_R.shape[0],
+                          INTERPRET=wait.interpret, num_warps=1)
