@@ -372,8 +372,9 @@ class HtDispatcher(Dispatcher):
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
         self._dispatch_calls += 1
+        stream = torch.cuda.current_stream(self.device) if self._early else None  # (copy engine on a GPU: early)
         if self.copy_engine and not self._emulated:  # the rows leave first: row t goes to row t (no numbering)
-            self._copy_rows(x_TD, parity=self._dispatch_calls % 2)
+            self._copy_rows(x_TD, self._dispatch_calls % 2, stream)
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
@@ -381,32 +382,33 @@ class HtDispatcher(Dispatcher):
         slot = None
         if self._early:
             slot = self._early_slots[self._dispatch_calls % 2]
-            slot.numbered.record(torch.cuda.current_stream(self.device))
+            slot.numbered.record(stream)
         if self.copy_engine:
-            self._copy_rows_signal(x_TD, epoch_1, None if slot is None else slot.numbered)
+            self._copy_rows_signal(x_TD, epoch_1, None if slot is None else slot.numbered, stream)
         else:
             kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
         # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
         early = None if slot is None else self._start_early(slot, epoch_1)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
 
-    def _copy_rows(self, x_TD: torch.Tensor, parity: int) -> None:
+    def _copy_rows(self, x_TD: torch.Tensor, parity: int, stream: torch.cuda.Stream | None) -> None:
         """Copy-engine mode: x_TD's rows into every peer's receive region (parity, this rank, t); on a GPU
-        on the rows stream, which starts after the work queued so far on the stream."""
+        on the rows stream, which starts after the work queued so far on `stream` (the current one)."""
         T = x_TD.shape[0]
         peers = [r for r in range(self.world_size) if r != self.rank]
         if self._emulated:
             for r in peers:
                 self._rows_at[parity][r][:T].copy_(x_TD)
             return
-        self._rows_start.record(torch.cuda.current_stream(self.device))
+        self._rows_start.record(stream)
         self._rows_stream.wait_event(self._rows_start)
         with torch.cuda.stream(self._rows_stream):
             for r in peers:
                 self._rows_at[parity][r][:T].copy_(x_TD, non_blocking=True)
         x_TD.record_stream(self._rows_stream)
 
-    def _copy_rows_signal(self, x_TD: torch.Tensor, epoch_1: torch.Tensor, numbered: torch.cuda.Event | None) -> None:
+    def _copy_rows_signal(self, x_TD: torch.Tensor, epoch_1: torch.Tensor, numbered: torch.cuda.Event | None,
+                          stream: torch.cuda.Stream | None) -> None:
         """Copy-engine mode, after the numbering (`numbered`: recorded after it on the stream): this rank's
         own rows into its receive region (a kernel on the stream: a local copy by `copy_` would take a
         copy engine too), and, behind the rows on the rows stream, the
@@ -417,7 +419,7 @@ class HtDispatcher(Dispatcher):
         peers = [r for r in range(self.world_size) if r != self.rank]
         if self._emulated:
             parity = int(epoch_1) % 2  # CPU tensors: no sync (emulated ranks may share one workspace's epoch)
-            self._copy_rows(x_TD, parity)
+            self._copy_rows(x_TD, parity, None)
             for r in peers:
                 self._flag_word_at[r].copy_(epoch_1)
         else:
@@ -429,7 +431,7 @@ class HtDispatcher(Dispatcher):
             epoch_1.record_stream(self._rows_stream)
         kernels.copy_rows(x_TD, self._rows_at[parity][self.rank], self.launch)
         if not self._emulated:
-            torch.cuda.current_stream(self.device).wait_event(self._rows_done)
+            stream.wait_event(self._rows_done)
 
     def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor) -> HtEarly:
         """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout, once
@@ -454,17 +456,17 @@ class HtDispatcher(Dispatcher):
 
     def _layout(self, epoch_1: torch.Tensor, counted: torch.cuda.Event | None = None) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
-        (its first kernel waits on the device; `counted`, if given, is recorded after it). Work
-        proportional to the pairs received: a count and a place kernel over blocks of received rows,
-        with a scan of the [B, L] table of per-block counts between them (one program per few experts);
-        no row is read."""
+        (its first kernel waits on the device; `counted`, if given, is recorded after it on the side
+        stream, where the layout then runs). Work proportional to the pairs received: a count and a
+        place kernel over blocks of received rows, with a scan of the [B, L] table of per-block counts
+        between them (one program per few experts); no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
         table_BL, size_2 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
                                                  self.ws.local("meta_flag"), self.ws.local("pairs"), self._wait)
         if counted is not None:
-            counted.record()
+            counted.record(self._side)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
