@@ -77,8 +77,8 @@ def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
 # not the host's launch latency after dispatch's host sync.
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 # Before each timed call the stream spins this long while the host queues the dispatch's launches
-# (0.4-1.1 ms for an ht dispatch on the H200 machine's host, 2026-11-30: a 1 ms spin was too short).
-ALIGN_CYCLES = 6_000_000  # ~3 ms
+# (~0.4 ms for an ht dispatch on the H200 machine's host, 2026-11-30).
+ALIGN_CYCLES = 2_000_000  # ~1 ms
 
 
 class _StartLine:
