@@ -311,7 +311,9 @@ def test_copy_engine_calls_alternate_parities():
 def test_copy_engine_choice():
     """None picks the copy engine only for a process group with bf16 rows, host-synced, and a routing that
     sends nearly every token to every rank; True is refused where it cannot work."""
-    from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.dispatch.ht import HtDispatcher, copy_engine_pays
+    assert [copy_engine_pays(R, K) for R, K in ((2, 8), (2, 5), (2, 4), (3, 8), (3, 7), (4, 8), (1, 8))] == \
+        [True, True, False, True, False, False, False]
     groups = EmulatedGroup.world(2)
     assert not HtDispatcher(_cfg(K=8, E=8), groups[0], device=_EMU_DEVICE).copy_engine  # emulated: off
     with pytest.raises(ValueError, match="fp8"):

@@ -136,6 +136,13 @@ class HtCombinePending:
 COPY_ENGINE_MIN_SHARE = 0.95
 
 
+def copy_engine_pays(world_size: int, top_k: int) -> bool:
+    """Whether a uniform routing of top_k distinct experts sends at least COPY_ENGINE_MIN_SHARE of a
+    rank's tokens to each other rank (1 - (1 - 1/R)^K), so that sending every row to every rank (the
+    copy-engine mode) wastes little of the link."""
+    return world_size > 1 and 1 - (1 - 1 / world_size) ** top_k >= COPY_ENGINE_MIN_SHARE
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -265,9 +272,8 @@ class HtDispatcher(Dispatcher):
 
     def _wants_copy_engine(self, copy_engine: bool | None) -> bool:
         if copy_engine is None:
-            R = self.world_size
-            share = 1 - (1 - 1 / R) ** self.cfg.top_k
-            return not (self.fp8 or self.sync_free or self._emulated) and R > 1 and share >= COPY_ENGINE_MIN_SHARE
+            return not (self.fp8 or self.sync_free or self._emulated) and copy_engine_pays(self.world_size,
+                                                                                         self.cfg.top_k)
         if copy_engine and self.fp8:
             raise ValueError("copy_engine=True moves the rows as they are: fp8 dispatch quantizes them in the send "
                              "kernel (use copy_engine=False or None)")
