@@ -73,6 +73,7 @@ class FusedMoE(torch.nn.Module):
                                     self.dispatcher.layout, self.world_size)
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
+        self._chunks_stream: torch.cuda.Stream | None = None  # made on the first chunk count over NCCL
 
     def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor) -> None:
         """Load GLOBAL expert weights and keep this rank's slice.
@@ -90,7 +91,8 @@ class FusedMoE(torch.nn.Module):
         self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
 
     def _num_chunks(self, T: int, device: torch.device) -> int:
-        """Chunks of at most max_tokens_per_rank, agreed by all ranks (an all-reduce and host sync when R > 1)."""
+        """Chunks of at most max_tokens_per_rank, agreed by all ranks (an all-reduce and host sync when R > 1
+        and the dispatcher syncs the host anyway)."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
             return chunks
@@ -99,9 +101,19 @@ class FusedMoE(torch.nn.Module):
                 raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
                                  f"{self.cfg.max_tokens_per_rank} tokens per call, got {T}")
             return 1
-        n = torch.tensor([chunks], dtype=torch.int64, device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-        return int(n.item())  # host sync
+        if device.type != "cuda":
+            n = torch.tensor([chunks], dtype=torch.int64, device=device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            return int(n.item())  # host sync
+        # The count depends on T alone, known here: the all-reduce runs on a stream of its own, so that its
+        # read waits for the other ranks' hosts to get here, not for the work queued on the stream (the
+        # host keeps queueing ahead of the GPU).
+        if self._chunks_stream is None:
+            self._chunks_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._chunks_stream):
+            n = torch.tensor([chunks], dtype=torch.int64, device=device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            return int(n.item())  # host sync with the chunks stream only
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,
