@@ -308,6 +308,30 @@ def test_copy_engine_calls_alternate_parities():
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, 2, x, ids, w), **_COMBINE_TOL)
 
 
+def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
+    """Dispatchers of both modes and one config on the same ranks keep their own flags (whose meaning
+    differs) and epochs; a call whose numbering fails to launch leaves the host's count of calls (the
+    copy engine's parity) where the device epoch is."""
+    from epmoe.kernels import ht
+    cfg = _cfg(E=4, K=2, D=32, C=4)
+    from epmoe.dispatch.ht import HtDispatcher
+    groups = EmulatedGroup.world(2)
+    worlds = {engine: [HtDispatcher(cfg, g, device=_EMU_DEVICE, copy_engine=engine, wait_timeout_s=0.01)
+                       for g in groups] for engine in (False, True)}  # a short timeout: a shared flag fails fast
+    for call, engine in enumerate((False, True, False, True)):
+        check_round_trip(cfg, worlds[engine], [exact_inputs(cfg, r, 3, "holes", seed=80 + call, device=_EMU_DEVICE)
+                                               for r in range(2)])
+    d = worlds[True][0]
+    calls = d._dispatch_calls
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(ht, "number_pairs", fails)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        d.dispatch_send(*exact_inputs(cfg, 0, 3, "random", seed=0, device=_EMU_DEVICE))
+    assert d._dispatch_calls == calls == int(d.ws.local("dispatch_seq"))
+
+
 def test_copy_engine_choice():
     """None picks the copy engine only for a process group with bf16 rows, host-synced, and a routing that
     sends nearly every token to every rank; True is refused where it cannot work."""
@@ -371,6 +395,11 @@ def test_device_barrier_signals_every_rank():
         device_barrier(ws[r].peers("flag"), ws[r].local("flag"), 1, r, waits[r])
     assert [w.local("err").item() for w in ws] == [0, 1]
     assert all(w.local("flag").tolist() == [1, 1] for w in ws)
+    ws[1].local("err").zero_()  # a second round: the flags count on
+    for r in (0, 1):
+        device_barrier(ws[r].peers("flag"), ws[r].local("flag"), 2, r, waits[r])
+    assert [w.local("err").item() for w in ws] == [1, 0]
+    assert all(w.local("flag").tolist() == [2, 2] for w in ws)
 
 
 def test_waits_give_up_instead_of_hanging():

@@ -35,10 +35,10 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
     locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
-dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads that region of
-call n only if A sent it rows then; A's combine n then waited for B's remote combine items of call n,
-which B ran after its experts on call n (the last reads of those rows, through the row index), and
-A's dispatch n+2 follows A's combine n. The region's counts, ids and weights are read only by B's
+dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads rows of that region
+of call n only for tokens with pairs on B; A's combine n then waited for B's remote combine items of
+those tokens (`_wait_partials`), which B ran after its experts on call n (the last reads of those rows,
+through the row index), and A's dispatch n+2 follows A's combine n. The region's counts, ids and weights are read only by B's
 layout n, which ends before B's dispatch n+1, which A's dispatch n+1 waited for. So a receive region
 is never overwritten while a rank still reads it. Likewise a peer's combine n+2 writes this rank's
 comb region of parity n only after its dispatch n+2 received this rank's rows of call n+2, sent after
@@ -166,7 +166,8 @@ class HtDispatcher(Dispatcher):
             (default): on when that costs little: a process group, bf16 rows, not sync_free, and a
             uniform routing sends at least COPY_ENGINE_MIN_SHARE of the tokens to each rank
             (1 - (1 - 1/R)^K: R 2 with K >= 5, R 3 with K >= 8). True needs cfg.quant None and
-            sync_free False (the host tracks the buffers' parity, which a graph replay would not).
+            sync_free False (the host tracks the buffers' parity, which a graph replay would not:
+            dispatch_send refuses to be captured in this mode).
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
@@ -231,23 +232,25 @@ class HtDispatcher(Dispatcher):
         # Fixed for the dispatcher's lifetime: the flags count one signal per sending program and call.
         self.launch = kernels.ht_launch(cfg.row_bytes, self.device) if launch is None else launch
         self.blocks = kernels.layout_blocks(self.capacity, cfg.top_k)
+        self._emulated = isinstance(group, EmulatedGroup)
+        # host-synced mode over a process group: the batch size and layout are made on a side stream
+        # while the rows travel (HtEarly)
+        self._early = not self.sync_free and not self._emulated
+        self.copy_engine = self._wants_copy_engine(copy_engine)  # (checked before the collective allocation)
         specs = self._specs()
-        if isinstance(group, EmulatedGroup):
-            # Dispatchers of equal config and launch (which sizes the flags and counts the signals) share
-            # one workspace, epochs and flags included, so they act as one dispatcher; the first emulated
-            # rank to get here allocates every rank's buffers.
-            key = ("ht", cfg, str(self.device), self.launch)
+        if self._emulated:
+            # Dispatchers of equal config, launch (which sizes the flags and counts the signals) and mode
+            # (which sets what the flags hold) share one workspace, epochs and flags included, so they act as
+            # one dispatcher; the first emulated rank to get here allocates every rank's buffers.
+            key = ("ht", cfg, str(self.device), self.launch, self.copy_engine)
             self.ws: Workspace = group.workspace(key, specs, self.device)
         else:
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
         self._wait = DeviceWait(err_1=self.ws.local("control")[2:], timeout_ns=int(wait_timeout_s * 1e9))
-        # host-synced mode over a process group: the batch size and layout are made on a side stream
-        # while the rows travel (HtEarly)
-        self._emulated = isinstance(group, EmulatedGroup)
-        self._early = not self.sync_free and not self._emulated
-        self.copy_engine = self._wants_copy_engine(copy_engine)
-        self._dispatch_calls = 0  # the device epoch counts them too: picks the early slot and the parity
+        # dispatches whose numbering was queued: the device epoch counts them too (copy-engine mode takes
+        # the receive buffers' parity from it); picks the early slot
+        self._dispatch_calls = 0
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._copy = torch.cuda.Stream(self.device)
@@ -332,6 +335,9 @@ class HtDispatcher(Dispatcher):
         side stream's work (see Streams in the class docstring) may spin until every rank has sent.
         """
         if _capturing():
+            if self.copy_engine:
+                raise ValueError("copy-engine mode cannot be captured in a CUDA graph: the host tracks the receive "
+                                 "buffers' parity, which a replay would not advance (use sync_free=True)")
             self._check_shapes(x_TD, ids_TK, weights_TK)
         else:
             check_tokens(self.cfg, x_TD, ids_TK, weights_TK)  # host sync: id range
@@ -377,17 +383,18 @@ class HtDispatcher(Dispatcher):
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
-        self._dispatch_calls += 1
+        calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
         stream = torch.cuda.current_stream(self.device) if self._early else None  # (copy engine on a GPU: early)
         if self.copy_engine and not self._emulated:  # the rows leave first: row t goes to row t (no numbering)
-            self._copy_rows(x_TD, self._dispatch_calls % 2, stream)
+            self._copy_rows(x_TD, calls % 2, stream)
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
                                                 self.capacity, L, self._peers, self.rank, dense=self.copy_engine)
+        self._dispatch_calls = calls
         slot = None
         if self._early:
-            slot = self._early_slots[self._dispatch_calls % 2]
+            slot = self._early_slots[calls % 2]
             slot.numbered.record(stream)
         if self.copy_engine:
             self._copy_rows_signal(x_TD, epoch_1, None if slot is None else slot.numbered, stream)
