@@ -626,8 +626,8 @@ _GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for
 
 
 def _gpu_exact(ctx, quant, calls):
-    """Each case: `calls` dispatches with new inputs, two in flight at a time (dispatch n, dispatch n+1,
-    then their combines), with and without sync_free; the first two cases also with one combine
+    """Each case: `calls` dispatches with new inputs (zeroed and freed right after dispatch_send), two in
+    flight at a time (dispatch n, dispatch n+1, then their combines), with and without sync_free; the first two cases also with one combine
     program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free);
     bf16: every case with the copy engine and with the send kernel (the default picks one per K).
     No device-side wait gives up."""
@@ -654,7 +654,10 @@ def _gpu_exact(ctx, quant, calls):
                 case = (E, K, D, Ts, routing, sync_free, changes, d.copy_engine, call)
                 inputs = [exact_inputs(cfg, r, T, routing, seed=20 + call) for r, T in enumerate(Ts)]
                 x, ids, w = (t.to(ctx.device) for t in inputs[ctx.rank])
-                b = d.dispatch(x, ids, w)
+                pending = d.dispatch_send(x, ids, w)
+                x.zero_()  # the caller may overwrite and free x once dispatch_send returns
+                del x
+                b = d.dispatch_recv(pending)
                 rows, counts = expected_batch_rows(cfg, R, ctx.rank, inputs)
                 assert b.counts_L.tolist() == counts, (case, b.counts_L.tolist(), counts)
                 n = sum(counts)
