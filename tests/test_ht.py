@@ -627,8 +627,9 @@ _GPU_EXACT_CASES = [  # (E, K, D bf16, D fp8, tokens of ranks 0, 1 (repeated for
 
 def _gpu_exact(ctx, quant, calls):
     """Each case: `calls` dispatches with new inputs (zeroed and freed right after dispatch_send), two in
-    flight at a time (dispatch n, dispatch n+1, then their combines), with and without sync_free; the first two cases also with one combine
-    program per rank (its tickets alone must finish the combine: the ticket order is deadlock-free);
+    flight at a time (dispatch n, dispatch n+1, then their combines), with and without sync_free; the
+    first two cases also with one combine program per rank (its tickets alone must finish the combine:
+    the ticket order is deadlock-free);
     bf16: every case with the copy engine and with the send kernel (the default picks one per K).
     No device-side wait gives up."""
     import dataclasses

@@ -4,12 +4,13 @@
     python -m epmoe.bench.dispatch --out OUT_DIR [--tokens 512,1024,4096,8192] [--hidden 7168] [--topk 8]
                                    [--experts 256] [--iters 20] [--warmup 5]
 
-For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine; and "bf16 SM", the rows
-moved by the send kernel, where the default bf16 dispatcher moves them by copy engine), both ranks route T random
-tokens uniformly to top-k distinct experts and time dispatch and combine on each rank with CUDA events
-(median after warm-up; two input sets alternate; each call starts from a barrier, a short device
-spin and a device barrier, so that the ranks' GPUs begin together; a ~0.2 ms device spin between dispatch and combine stands
-in for the experts, so the host queues the combine as it would in a layer). Reported per rank:
+For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine; and "bf16 SM", the
+rows moved by the send kernel, where the default bf16 dispatcher moves them by copy engine), both ranks
+route T random tokens uniformly to top-k distinct experts and time dispatch and combine on each rank
+with CUDA events (median after warm-up; two input sets alternate; each call starts from a barrier, a
+short device spin and a device barrier, so that the ranks' GPUs begin together; a ~0.2 ms device spin
+between dispatch and combine stands in for the experts, so the host queues the combine as it would in
+a layer). Reported per rank:
 - time of dispatch (split for ht into transfer: numbering, rows' kernel and the wait for every rank's
   rows; ready: also the layout, all the GPU's part; and the rest until the host has read the batch
   size and built the batch, which is when the call returns) and combine (us), and of the `alltoall`
@@ -118,9 +119,9 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     host is slow, the stream idles until then).
 
     Each call starts from a barrier over `group` (host and device idle on every rank), then a device
-    spin (ALIGN_CYCLES) while the host queues the dispatch, and a device barrier (`_StartLine`), so that
-    all ranks' dispatches start together on the GPUs and the time is the GPU's, not the host's launches. Without it the ranks can lock into a
-    skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
+    spin (ALIGN_CYCLES) while the host queues the dispatch, and a device barrier (`_StartLine`), so
+    that all ranks' dispatches start together on the GPUs and the time is the GPU's, not the host's
+    launches. Without the spin the ranks can lock into a skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
     queued all_reduce before each call did not prevent it: the hosts' launch times differ). Also
     returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send and the
     wait; the others: the whole dispatch call, sync included)."""

@@ -38,8 +38,9 @@ Why two copies suffice: with at most two dispatches not yet combined on every ra
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads rows of that region
 of call n only for tokens with pairs on B; A's combine n then waited for B's remote combine items of
 those tokens (`_wait_partials`), which B ran after its experts on call n (the last reads of those rows,
-through the row index), and A's dispatch n+2 follows A's combine n. The region's counts, ids and weights are read only by B's
-layout n, which ends before B's dispatch n+1, which A's dispatch n+1 waited for. So a receive region
+through the row index), and A's dispatch n+2 follows A's combine n. The region's counts, ids and
+weights are read only by B's layout n, which ends before B's dispatch n+1, which A's dispatch n+1
+waited for. So a receive region
 is never overwritten while a rank still reads it. Likewise a peer's combine n+2 writes this rank's
 comb region of parity n only after its dispatch n+2 received this rank's rows of call n+2, sent after
 this rank's combine n had read that region; and a ready stamp of a later epoch is released after the
@@ -259,11 +260,11 @@ class HtDispatcher(Dispatcher):
                                              sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
         if self.copy_engine:
-            # each rank's receive rows and the int32 low word of its dispatch_flag[this rank] (the flag is an
-            # int64 that only this rank writes, with epochs < 2^31; little-endian)
             # [parity][r]: this rank's receive rows at rank r, [C, D]
             self._rows_at = [[self.ws.peer("recv_x", r)[parity, self.rank] for r in range(self.world_size)]
                              for parity in range(2)]
+            # [r]: the int32 low word of dispatch_flag[this rank] at rank r (an int64 that only this rank
+            # writes, with epochs < 2^31; little-endian)
             self._flag_word_at = [self.ws.peer("dispatch_flag", r).view(torch.int32)[2 * self.rank:][:1]
                                   for r in range(self.world_size)]
             if not self._emulated:
@@ -396,8 +397,9 @@ class HtDispatcher(Dispatcher):
         if self._early:
             slot = self._early_slots[calls % 2]
             slot.numbered.record(stream)
-        if self.copy_engine:
-            self._copy_rows_signal(x_TD, epoch_1, None if slot is None else slot.numbered, stream)
+        if self.copy_engine:  # emulated ranks read the epoch (CPU tensors, no sync; they may share one workspace)
+            parity = int(epoch_1) % 2 if self._emulated else calls % 2
+            self._copy_rows_signal(x_TD, epoch_1, parity, None if slot is None else slot.numbered, stream)
         else:
             kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
         # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
@@ -420,18 +422,16 @@ class HtDispatcher(Dispatcher):
                 self._rows_at[parity][r][:T].copy_(x_TD, non_blocking=True)
         x_TD.record_stream(self._rows_stream)
 
-    def _copy_rows_signal(self, x_TD: torch.Tensor, epoch_1: torch.Tensor, numbered: torch.cuda.Event | None,
-                          stream: torch.cuda.Stream | None) -> None:
+    def _copy_rows_signal(self, x_TD: torch.Tensor, epoch_1: torch.Tensor, parity: int,
+                          numbered: torch.cuda.Event | None, stream: torch.cuda.Stream | None) -> None:
         """Copy-engine mode, after the numbering (`numbered`: recorded after it on the stream): this rank's
         own rows into its receive region (a kernel on the stream: a local copy by `copy_` would take a
-        copy engine too), and, behind the rows on the rows stream, the
-        epoch into every peer's dispatch_flag[this rank] (what `_dispatch_wait` waits for); the stream
-        then waits for the rows stream (x_TD is the caller's again after that)."""
+        copy engine too), and, behind the rows on the rows stream, the epoch into every peer's
+        dispatch_flag[this rank] (what `_dispatch_wait` waits for); the stream then waits for the rows
+        stream (x_TD is the caller's again after that). Emulated ranks copy the rows now too."""
         T = x_TD.shape[0]
-        parity = self._dispatch_calls % 2
         peers = [r for r in range(self.world_size) if r != self.rank]
         if self._emulated:
-            parity = int(epoch_1) % 2  # CPU tensors: no sync (emulated ranks may share one workspace's epoch)
             self._copy_rows(x_TD, parity, None)
             for r in peers:
                 self._flag_word_at[r].copy_(epoch_1)
@@ -492,12 +492,9 @@ class HtDispatcher(Dispatcher):
 
     def _dispatch_wait(self) -> None:
         """Block the stream until every rank's rows of the latest epoch are here."""
-        if self.copy_engine:  # one epoch stamp per peer; this rank's own rows were copied on the stream
-            kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), 1, self._wait,
-                               skip=self.rank)
-        else:
-            kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), self.launch.programs,
-                               self._wait)
+        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the stream)
+        programs, skip = (1, self.rank) if self.copy_engine else (self.launch.programs, -1)
+        kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), programs, self._wait, skip)
 
     def _layout_ready(self, pending: HtDispatchPending) -> HtLayout:
         """The batch's layout, the stream waiting for it: started early on the side stream (process

@@ -179,10 +179,10 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
     destination's receive region at the token's slot. Program 0 also advances the epoch (seq =
     epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
     recv_count[parity, rank] and pairs[parity, rank]. DENSE (slot = t): no slots to add; every rank
-    gets T rows, and the ids (all -1) of the tokens not meant for it. The last program to finish (counter done[0], back
-    to 0 after; its acq_rel chain orders every program's stores before it) signals flag[rank] on every
-    rank: receivers then size their batch and lay it out (`layout_count` waits for it) before the rows
-    arrive."""
+    gets T rows, and the ids (all -1) of the tokens not meant for it. The last program to finish
+    (counter done[0], back to 0 after; its acq_rel chain orders every program's stores before it)
+    signals flag[rank] on every rank: receivers then size their batch and lay it out (`layout_count`
+    waits for it) before the rows arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
