@@ -5,6 +5,7 @@ L local experts, K top-k.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -101,19 +102,15 @@ class FusedMoE(torch.nn.Module):
                 raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
                                  f"{self.cfg.max_tokens_per_rank} tokens per call, got {T}")
             return 1
-        if device.type != "cuda":
-            n = torch.tensor([chunks], dtype=torch.int64, device=device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-            return int(n.item())  # host sync
-        # The count depends on T alone, known here: the all-reduce runs on a stream of its own, so that its
-        # read waits for the other ranks' hosts to get here, not for the work queued on the stream (the
-        # host keeps queueing ahead of the GPU).
-        if self._chunks_stream is None:
+        # The count depends on T alone, known here: on a GPU the all-reduce runs on a stream of its own, so
+        # that its read waits for the other ranks' hosts to get here, not for the work queued on the stream
+        # (the host keeps queueing ahead of the GPU).
+        if device.type == "cuda" and self._chunks_stream is None:
             self._chunks_stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(self._chunks_stream):
+        with torch.cuda.stream(self._chunks_stream) if device.type == "cuda" else nullcontext():
             n = torch.tensor([chunks], dtype=torch.int64, device=device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-            return int(n.item())  # host sync with the chunks stream only
+            return int(n.item())  # host sync (on a GPU, with the chunks stream only)
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,
