@@ -24,7 +24,8 @@ from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
 # (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps[, combine columns
-# per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
+# per load, elements per step[, combine lag in waves[, rows per copy-engine chunk of the combine]]]); each
+# new setting of warps or tiles costs a compile
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
@@ -41,7 +42,7 @@ def _rank(ctx, args):
         default = HtDispatcher(cfg, ctx.group).launch
         kept = []  # every workspace stays allocated to the end: no symmetric-memory frees between settings
         for dp, dw, cp, cw, *tiles in args.settings:
-            combine = dict(zip(("combine_chunk", "combine_step", "combine_lag"), tiles))
+            combine = dict(zip(("combine_chunk", "combine_step", "combine_lag", "combine_copy_rows"), tiles))
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
             d = HtDispatcher(cfg, ctx.group, launch=dataclasses.replace(
                 default, programs=dp * sms, num_warps=dw, combine_programs=cp * sms, combine_warps=cw, **combine))
@@ -93,7 +94,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=150, help="seconds before the ranks are killed")
     p.add_argument("--settings", default=";".join(",".join(map(str, s)) for s in SETTINGS),
-                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps[,chunk,step[,lag]]'")
+                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps"
+                        "[,chunk,step[,lag[,copy rows]]]'")
     p.add_argument("--fp8-only", action="store_true")
     p.add_argument("--bf16-only", action="store_true")
     p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
