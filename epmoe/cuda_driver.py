@@ -1,9 +1,6 @@
 """Stream operations of the CUDA driver that torch does not expose, through ctypes (libcuda.so.1, loaded
 on first use: importing this module needs no GPU).
 
-- `wait_value`: a stream waits, on the GPU, until a 32-bit word in device memory reaches a value
-  (cuStreamWaitValue32, cyclic >= comparison): a copy queued behind it starts as soon as a running
-  kernel has stamped that word, without the kernel having to end first.
 - `write_value`: a stream writes a 32-bit word (cuStreamWriteValue32, after a system-scope memory
   fence: everything the stream did before is visible first), e.g. into a peer's flag over NVLink.
 - `copy`: an asynchronous device-to-device copy of raw bytes (cuMemcpyDtoDAsync; peer memory mapped
@@ -20,7 +17,6 @@ import functools
 
 import torch
 
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
 
 
@@ -28,8 +24,7 @@ _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the 
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     u32, u64, ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
-    for name, args in (("cuStreamWaitValue32_v2", (ptr, u64, u32, ctypes.c_uint)),
-                       ("cuStreamWriteValue32_v2", (ptr, u64, u32, ctypes.c_uint)),
+    for name, args in (("cuStreamWriteValue32_v2", (ptr, u64, u32, ctypes.c_uint)),
                        ("cuMemcpyDtoDAsync_v2", (u64, u64, ctypes.c_size_t, ptr))):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -42,13 +37,6 @@ def _check(result: int, what: str) -> None:
         name = ctypes.c_char_p()
         _driver().cuGetErrorName(result, ctypes.byref(name))
         raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else result}")
-
-
-def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """Work queued on `stream` after this starts once the int32 at `address` is >= value (cyclic
-    comparison: wrap-around ignored). The word must be written with a release by its producer."""
-    _check(_driver().cuStreamWaitValue32_v2(stream.cuda_stream, address, value & 0xFFFFFFFF, _WAIT_GEQ),
-           "cuStreamWaitValue32")
 
 
 def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:

@@ -24,8 +24,7 @@ from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
 # (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps[, combine columns
-# per load, elements per step[, combine lag in waves[, rows per copy-engine chunk of the combine]]]); each
-# new setting of warps or tiles costs a compile
+# per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
@@ -42,10 +41,11 @@ def _rank(ctx, args):
         default = HtDispatcher(cfg, ctx.group).launch
         kept = []  # every workspace stays allocated to the end: no symmetric-memory frees between settings
         for dp, dw, cp, cw, *tiles in args.settings:
-            combine = dict(zip(("combine_chunk", "combine_step", "combine_lag", "combine_copy_rows"), tiles))
+            combine = dict(zip(("combine_chunk", "combine_step", "combine_lag"), tiles))
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
-            d = HtDispatcher(cfg, ctx.group, launch=dataclasses.replace(
-                default, programs=dp * sms, num_warps=dw, combine_programs=cp * sms, combine_warps=cw, **combine))
+            d = HtDispatcher(cfg, ctx.group, copy_engine=False if args.send_kernel else None,
+                             launch=dataclasses.replace(default, programs=dp * sms, num_warps=dw,
+                                                        combine_programs=cp * sms, combine_warps=cw, **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
             out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw, *tiles), **t))
@@ -67,7 +67,7 @@ def _profile(ctx, args):
     for quant in args.quants:
         cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T,
                         quant=quant)
-        d = HtDispatcher(cfg, ctx.group)
+        d = HtDispatcher(cfg, ctx.group, copy_engine=False if args.send_kernel else None)
         kept.append(d)
         time_dispatcher(d, inputs, warmup=3, iters=5)  # compile and warm up outside the profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -94,10 +94,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timeout", type=float, default=150, help="seconds before the ranks are killed")
     p.add_argument("--settings", default=";".join(",".join(map(str, s)) for s in SETTINGS),
-                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps"
-                        "[,chunk,step[,lag[,copy rows]]]'")
+                   help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps[,chunk,step[,lag]]'")
     p.add_argument("--fp8-only", action="store_true")
     p.add_argument("--bf16-only", action="store_true")
+    p.add_argument("--send-kernel", action="store_true", help="bf16 rows by the send kernel, not the copy engine")
     p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
     args = p.parse_args()
     args.settings = [tuple(float(v) if "." in v else int(v) for v in item.split(",")) for item in args.settings.split(";")]

@@ -45,20 +45,17 @@ def main() -> None:
             dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
             ["src_ptr", "dst_ptr"], warps, 1), failures, big)
         chunk, rows = launch.combine_tiles(D)
-        for R, remote, local, copy in ((2, True, True, False), (2, True, True, True), (2, False, True, False),
-                                       (8, True, True, False)):
-            # real ranks (2 and 8; R 2 also in copy-engine mode); the local half of emulated ones
+        for R, remote, local in ((2, True, True), (2, False, True), (8, True, True)):
+            # real ranks (2 and 8); the local half of emulated ones
             kernel = compile_hopper(
                 k._combine_kernel,
                 dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", slot_ptr="*i32", seq_ptr="*i32",
                      comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i32", ready_peers="*i64", control_ptr="*i32",
-                     out_ptr="*bf16", stage_ptr="*bf16", chunk_ptr="*i32", T="i32", rank="i32", lag="i32", C="i32",
-                     NI="i32"),
+                     out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
                 dict(R=R, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-                     S=launch.combine_copy_chunk(D), COPY=copy, REMOTE=remote, LOCAL=local,
-                     TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False),
-                ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr", "stage_ptr"], launch.combine_warps, 1)
-            tag = f"combine R{R} D{D} K{K} remote={remote} local={local} copy={copy}"
+                     REMOTE=remote, LOCAL=local, TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False),
+                ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"], launch.combine_warps, 1)
+            tag = f"combine R{R} D{D} K{K} remote={remote} local={local}"
             check(tag, kernel, failures, big)
             regs = registers(kernel)
             print(f"{tag}: {regs} registers")

@@ -20,19 +20,17 @@ peer (their local results, fp32, top-k weights) into one row per (token, rank), 
 combine region, and stamps the item's ready flag there with the epoch. A local item, handed out about a
 wave of tickets later, waits for the ready flags of its tokens' partial rows and writes out[t] = its own
 local results (reduced the same way) + the peers' partial rows: the final sum overlaps the transfer, and
-this rank's own partial rows never go through memory. Copy-engine mode: the remote items come first
-and reduce into a local stage; the copy engine takes each chunk of it to the peer as soon as the kernel
-stamps the chunk, then stamps the peer's ready flag of the chunk. (Emulated ranks run the remote items
-of every rank, then the local ones.)
+this rank's own partial rows never go through memory. (Emulated ranks run the remote items of every rank,
+then the local ones.)
 
 Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
     recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs int32 [2, R] (tokens and
     pairs from each rank), comb [2, R, C, D] cfg.dtype (row (r, s): rank r's partial row of this rank's
     token in slot s there), comb_ready int32 [R, NI] (epoch of the latest combine item i that rank r
-    stored here, NI = kernels.combine_items; copy-engine mode: of the latest chunk i), meta_flag / dispatch_flag int64 [R] (monotonic: one add
+    stored here; NI = kernels.combine_items), meta_flag / dispatch_flag int64 [R] (monotonic: one add
     per call from the numbering, per sending program and call from the send kernel; copy-engine mode:
-    the epoch, copied in after the rows), dispatch_seq /
+    the epoch, written after the rows), dispatch_seq /
     combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and control int32
     [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
     locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
@@ -79,8 +77,7 @@ class HtLayout:
     weights_PK: torch.Tensor  # float32 [P, K]: their top-k weights
     rows_N: torch.Tensor  # int32 [R*C*K]: each batch row's row in recv_x viewed as [2 * R * C, D]
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
-    sizes_2R: torch.Tensor  # int32 [2 + R]: (row, slot) pairs received in all (the batch's valid rows), error
-    #   flag, rows received from each rank
+    size_2: torch.Tensor  # int32 [2]: (row, slot) pairs received in all (the batch's valid rows), error flag
 
 
 @dataclass(frozen=True)
@@ -89,17 +86,17 @@ class HtEarlySlot:
     group). A dispatcher makes two and uses them in turn: a slot is recorded again two dispatches
     later, after its dispatch's receive has read it."""
 
-    host_2R: torch.Tensor  # pinned int32 [2 + R]: HtLayout.sizes_2R of its dispatch
+    host_2: torch.Tensor  # pinned int32 [2]: HtLayout.size_2 of its dispatch
     numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
     counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
-    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2R
+    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
 
 
 @dataclass(frozen=True)
 class HtEarly:
     """A dispatch's work queued while its rows travel: the layout (side stream), and the batch size on
-    its way to slot.host_2R (copy stream)."""
+    its way to slot.host_2 (copy stream)."""
 
     slot: HtEarlySlot
     layout: HtLayout
@@ -125,7 +122,6 @@ class HtHandle:
     weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows (same validity)
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
     num_tokens: int
-    recv_rows_R: tuple[int, ...] | None  # recv_counts_R on the host (host-synced mode), else None
 
 
 @dataclass(frozen=True)
@@ -166,16 +162,14 @@ class HtDispatcher(Dispatcher):
             default `ht_launch` for the row size and device. Fixed for the dispatcher's lifetime.
         copy_engine: move the rows with the GPU's copy engine (a copy into each peer's receive region,
             all T rows in token order, then the epoch into the peer's flag) instead of the send
-            kernel's SM stores, and the combine's partial rows too (in chunks, as the kernel reduces
-            them): faster on the link (370 vs 350 GB/s per direction on 2 H200s), no SM busy with the
-            rows, and the rows leave before the numbering; but every token's row goes to every rank,
-            also where it has no expert (its partial row comes back too: zeros). A local stage of
-            [R - 1, C, D] holds the partial rows. None (default): on when that costs little: a
-            process group, bf16 rows, not sync_free, and a uniform routing sends at least
-            COPY_ENGINE_MIN_SHARE of the tokens to each rank (1 - (1 - 1/R)^K: R 2 with K >= 5, R 3
-            with K >= 8). True needs cfg.quant None and sync_free False (the host tracks the epochs
-            and the rows to copy, which a graph replay would not: dispatch_send and combine_send refuse
-            to be captured in this mode).
+            kernel's SM stores: faster on the link (370 vs 350 GB/s per direction on 2 H200s), no SM
+            busy with the rows, and the rows leave before the numbering; but every token's row goes to
+            every rank, also where it has no expert (its partial row comes back too: zeros). None
+            (default): on when that costs little: a process group, bf16 rows, not sync_free, and a
+            uniform routing sends at least COPY_ENGINE_MIN_SHARE of the tokens to each rank
+            (1 - (1 - 1/R)^K: R 2 with K >= 5, R 3 with K >= 8). True needs cfg.quant None and
+            sync_free False (the host tracks the buffers' parity, which a graph replay would not:
+            dispatch_send refuses to be captured in this mode).
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
@@ -262,14 +256,11 @@ class HtDispatcher(Dispatcher):
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._copy = torch.cuda.Stream(self.device)
-            self._early_slots = [HtEarlySlot(host_2R=torch.empty(2 + self.world_size, dtype=torch.int32,
-                                                                 pin_memory=True),
+            self._early_slots = [HtEarlySlot(host_2=torch.empty(2, dtype=torch.int32, pin_memory=True),
                                              numbered=torch.cuda.Event(), counted=torch.cuda.Event(),
                                              sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
-        self._combine_calls = 0  # combines queued: the device's combine epoch (copy-engine mode)
-        self._engine = HtCopyEngine(self.ws, cfg.hidden_size, cfg.dtype, self.launch, self._emulated) \
-            if self.copy_engine else None
+        self._engine = HtCopyEngine(self.ws, self._emulated) if self.copy_engine else None
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -419,7 +410,7 @@ class HtDispatcher(Dispatcher):
         tensors are allocated on the side stream and read on the stream (after `laid_out`): when they
         are freed, the side stream may reuse their memory at once, which is safe because all its later
         work starts after a later dispatch's `numbered`, recorded on the stream after everything queued
-        there before. The sizes (layout.sizes_2R) are also read on the copy stream: record_stream keeps its
+        there before. The size (layout.size_2) is also read on the copy stream: record_stream keeps its
         memory until that copy is done."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
@@ -427,10 +418,10 @@ class HtDispatcher(Dispatcher):
             slot.laid_out.record(self._side)
         self._copy.wait_event(slot.counted)
         with torch.cuda.stream(self._copy):
-            slot.host_2R.copy_(layout.sizes_2R, non_blocking=True)
+            slot.host_2.copy_(layout.size_2, non_blocking=True)
             slot.sized.record(self._copy)
         epoch_1.record_stream(self._side)
-        layout.sizes_2R.record_stream(self._copy)
+        layout.size_2.record_stream(self._copy)
         return HtEarly(slot=slot, layout=layout)
 
     def _layout(self, epoch_1: torch.Tensor, counted: torch.cuda.Event | None = None) -> HtLayout:
@@ -442,7 +433,7 @@ class HtDispatcher(Dispatcher):
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        table_BL, sizes_2R = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
+        table_BL, size_2 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
                                                  self.ws.local("meta_flag"), self.ws.local("pairs"), self._wait)
         if counted is not None:
             counted.record(self._side)
@@ -450,7 +441,7 @@ class HtDispatcher(Dispatcher):
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
         return HtLayout(counts_L=counts_L, offsets_L1=offsets_L1, pos_PK=pos_PK, weights_PK=weights_PK,
-                        rows_N=rows_N, recv_counts_R=recv_counts_R, sizes_2R=sizes_2R)
+                        rows_N=rows_N, recv_counts_R=recv_counts_R, size_2=size_2)
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
@@ -473,59 +464,45 @@ class HtDispatcher(Dispatcher):
     def _expert_batch(self, pending: HtDispatchPending, lay: HtLayout) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
-        copied. The host reads the batch size and the rows received from each rank (unless sync_free):
-        they arrived ahead of the rows, so the host usually has them before the stream has the rows.
-        With them comes the error flag: RuntimeError if a device-side wait of this rank gave up (in this
-        call's layout or any call before)."""
-        recv_rows = None
+        copied. The host reads the batch size (unless sync_free): it arrived ahead of the rows, so the
+        host usually has it before the stream has the rows; the batch is built before the read. With it
+        comes the error flag: RuntimeError if a device-side wait of this rank gave up (in this call's
+        layout or any call before)."""
+        handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
+                          recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
         if self.sync_free:
             n = self.max_recv_rows
         else:
             if pending.early is None:  # emulated ranks: every rank's send has run by now
-                n, error, *recv_rows = lay.sizes_2R.tolist()
+                n, error = lay.size_2.tolist()
             else:
                 pending.early.slot.sized.synchronize()  # host sync
-                n, error, *recv_rows = pending.early.slot.host_2R.tolist()
+                n, error = pending.early.slot.host_2.tolist()
             if error:
                 raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
                                    f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
                                    "not match); its results are garbage from then on: rebuild the dispatcher")
-        handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
-                          recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens,
-                          recv_rows_R=None if recv_rows is None else tuple(recv_rows))
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
                            row_index_N=lay.rows_N[:n])
 
     def _combine_send(self, y_ND, batch: ExpertBatch) -> HtCombinePending:
         """Real ranks: the whole combine, one kernel (it spins until the peers' partial rows of each of
-        its items are here; copy-engine mode: the engine stream moves the partial rows as the kernel
-        stamps them, and the stream waits for it). Emulated ranks, which run in turn: the remote half
-        only (copy-engine mode: and the copies)."""
+        its items are here). Emulated ranks, which run in turn: the remote half only."""
         h: HtHandle = batch.handle
-        if self._engine is not None and (_capturing() or h.recv_rows_R is None):
-            raise ValueError("copy-engine mode cannot be captured in a CUDA graph: the host tracks the combine's "
-                             "epoch and the rows to copy (use sync_free=True)")
         seq = self.ws.local("combine_seq")
         seq.add_(1)
-        self._combine_calls += 1
         out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
         epoch_1 = seq.clone() if self._emulated else seq  # the local half runs later: this call's epoch
         args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, epoch_1, self.ws.local("comb"),
                 self.ws.local("comb_ready"), self.ws.local("control"), self._peers, out_TD, self.rank, self.launch,
                 self._wait)
-        copy = None if self._engine is None else self._engine.combine(h.recv_rows_R)
-        kernels.combine(*args, remote=True, local=not self._emulated, copy=copy)
-        if self._engine is not None:
-            # emulated ranks may share one workspace, and its epoch: read it (a CPU tensor, no sync)
-            self._engine.send_partials(copy, int(epoch_1) if self._emulated else self._combine_calls)
-            self._engine.join(torch.cuda.current_stream(self.device) if not self._emulated else None)
-        return HtCombinePending(out_TD=out_TD, local_args=(args, copy) if self._emulated else None)
+        kernels.combine(*args, remote=True, local=not self._emulated)
+        return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)
 
     def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
         if pending.local_args is not None:
-            args, copy = pending.local_args
-            kernels.combine(*args, remote=False, local=True, copy=copy)
+            kernels.combine(*pending.local_args, remote=False, local=True)
         return pending.out_TD
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:

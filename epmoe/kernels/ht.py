@@ -50,8 +50,6 @@ class HtLaunch:
     combine_lag: how far, in waves of combine_programs tickets, the combine's local items (sums of this
         rank's tokens) trail its remote items (partial rows sent to the peers), so that a local item
         rarely waits for the peers' partials.
-    combine_copy_rows: copy-engine mode: the partial rows go to a peer in chunks of this many rows (at
-        least an item's; `combine_copy_chunk`), each copied once the combine has reduced all of it.
     """
 
     programs: int
@@ -61,13 +59,12 @@ class HtLaunch:
     combine_chunk: int = 1024
     combine_step: int = 2048
     combine_lag: float = 1.0
-    combine_copy_rows: int = 512
 
     def __post_init__(self) -> None:
         for name in ("programs", "combine_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HtLaunch.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_warps", "combine_warps", "combine_chunk", "combine_step", "combine_copy_rows"):
+        for name in ("num_warps", "combine_warps", "combine_chunk", "combine_step"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"HtLaunch.{name} must be a power of two, got {value}")
@@ -84,10 +81,6 @@ class HtLaunch:
         chunk = min(triton.next_power_of_2(hidden), self.combine_chunk)
         return chunk, max(1, self.combine_step // chunk)
 
-    def combine_copy_chunk(self, hidden: int) -> int:
-        """Rows per copy-engine chunk of the combine for rows of `hidden`: a multiple of its items' rows."""
-        return max(self.combine_copy_rows, self.combine_tiles(hidden)[1])
-
     def combine_lag_iterations(self, world_size: int) -> int:
         """combine_lag in iterations of the ticket order (world_size tickets each)."""
         return -(-int(self.combine_lag * self.combine_programs) // world_size)
@@ -99,23 +92,18 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, the lag one wave. Copy-engine chunks of the combine: COMBINE_COPY_BYTES
-    or more (fewer chunks cost the host less; smaller ones start the link sooner); 4 rows under the
-    interpreter (several chunks in small tests)."""
+    COMBINE_CHUNK, COMBINE_STEP, the lag one wave."""
     tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, combine_copy_rows=4, **tiles)
+        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4,
-                    combine_copy_rows=triton.next_power_of_2(-(-COMBINE_COPY_BYTES // row_bytes)), **tiles)
+    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
 
 
 # combine: columns per gathered load, and elements (rows x columns) per program step and item
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
-# copy-engine mode: bytes of partial rows per copy, at least (512 rows of 14 KiB: ~20 us of link)
-COMBINE_COPY_BYTES = 6 << 20
 
 
 @dataclass(frozen=True)
@@ -339,25 +327,16 @@ def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, stage_ptr, chunk_ptr, r, i, count, parity,
-                         epoch, rank, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                         CHUNK: tl.constexpr, ROWS: tl.constexpr, S: tl.constexpr, COPY: tl.constexpr):
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
+                         R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
     row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
-    slot); then ready[rank, i] = epoch on r (release, system scope).
-
-    COPY (copy-engine mode): stored into this rank's stage for r instead (stage[(r - rank - 1) mod R,
-    slot]), the item then counting itself into the arrivals of its chunk k of S rows; the chunk's last
-    item resets them and stamps chunk_done[r, k] = epoch (release, system scope), which the copy
-    stream waits for before it copies the chunk to r (chunk_ptr: int32 [2, R, cdiv(C, S)], the stamps
-    and then the arrivals)."""
+    slot); then ready[rank, i] = epoch on r (release, system scope)."""
     s = i * ROWS + tl.arange(0, ROWS)
     smask = s < count
     pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
-    if COPY:
-        dst = stage_ptr + (((r - rank - 1 + R) % R) * C + s).to(tl.int64)[:, None] * D
-    else:
-        dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C + s).to(tl.int64)[:, None] * D
+    dst = _peer(comb_peers, r, y_ptr.dtype.element_ty) + ((parity * R + rank) * C + s).to(tl.int64)[:, None] * D
     cols = tl.arange(0, CHUNK)
     for c0 in tl.static_range(0, D, CHUNK):
         c = c0 + cols
@@ -366,15 +345,7 @@ def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, stage_p
         tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
-    if COPY:
-        k = i * ROWS // S
-        n_chunks = tl.cdiv(C, S)
-        arrivals = chunk_ptr + (R + r) * n_chunks + k
-        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == tl.cdiv(tl.minimum(count - k * S, S), ROWS) - 1:
-            tl.store(arrivals, 0)  # the next call's kernel starts after this one ends
-            tl.atomic_xchg(chunk_ptr + r * n_chunks + k, epoch, sem="release", scope="sys")
-    else:
-        tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
+    tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -402,17 +373,6 @@ def _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, err_ptr, timeout_ns, 
             if lo >= 0:
                 for item in range(lo // ROWS, hi // ROWS + 1):
                     spin_until(ready_ptr + r * NI + item, epoch, err_ptr, timeout_ns, INTERPRET)
-
-
-@triton.jit
-def _wait_chunk(ready_ptr, j, epoch, rank, err_ptr, timeout_ns, R: tl.constexpr, NI, ROWS: tl.constexpr,
-                S: tl.constexpr, INTERPRET: tl.constexpr):
-    """Copy-engine mode: spin until every peer's copy stream has stamped ready[r, k] >= epoch for the
-    chunk k of S rows holding this rank's tokens [j * ROWS, (j + 1) * ROWS) (there a token's slot at
-    every rank is the token itself, and S is a multiple of ROWS)."""
-    for r in tl.static_range(R):
-        if r != rank:
-            spin_until(ready_ptr + r * NI + j * ROWS // S, epoch, err_ptr, timeout_ns, INTERPRET)
 
 
 @triton.jit
@@ -446,61 +406,41 @@ def _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_ptr, comb_peers, ready_ptr, ready_peers,
-                    control_ptr, out_ptr, stage_ptr, chunk_ptr, T, rank, lag, R: tl.constexpr, C, NI,
-                    D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                    S: tl.constexpr, COPY: tl.constexpr, REMOTE: tl.constexpr, LOCAL: tl.constexpr,
-                    TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
+                    control_ptr, out_ptr, T, rank, lag, R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr,
+                    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr, REMOTE: tl.constexpr,
+                    LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):
     """Programs take tickets (control[0], counted up) in the order: iteration i = ticket // R holds the
     remote items i of the R - 1 peers (rank + 1, rank + 2, ... mod R; REMOTE) and then the local item
-    i - lag (LOCAL); an item is ROWS rows. COPY (copy-engine mode): the first lag tickets are the
-    remote items (i, then peer; lag = PEERS * the most items of a peer), the local items follow, so
-    that the copy engine has the chunks of partial rows as early as possible. A local item waits only for peers' remote items of no larger index (COPY: for the
-    peers' copies of them), which every rank hands out before it, to programs that never wait: any
-    number of programs, resident or not, finishes. The last program to finish (counter control[1])
-    sets both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and
-    the timeout are not parameters of their own: two more parameters made ptxas take ~35 more
-    registers)."""
-    PEERS: tl.constexpr = max(R - 1, 1)
+    i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote items of no
+    larger index, which every rank hands out before it, to programs that never wait: any number of
+    programs, resident or not, finishes. The last program to finish (counter control[1]) sets
+    both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
+    timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
     epoch = tl.load(seq_ptr)
     parity = epoch % 2
-    local_items = 0
+    items = 0
+    if REMOTE:
+        for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
+            items = tl.maximum(items, tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), ROWS), 0))
     if LOCAL:
-        local_items = tl.cdiv(T, ROWS)
-    if COPY:  # lag: the remote items' tickets, from the host (computed here, it cost ~35 registers a thread)
-        total = lag + local_items
-    else:
-        remote_items = 0
-        if REMOTE:
-            for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
-                remote_items = tl.maximum(remote_items,
-                                          tl.where(src != rank, tl.cdiv(tl.load(count_ptr + src), ROWS), 0))
-        total = (tl.maximum(remote_items, local_items) + lag) * R
+        items = tl.maximum(items, tl.cdiv(T, ROWS))
+    total = (items + lag) * R
     ticket = tl.atomic_add(control_ptr, 1)
     while ticket < total:
-        if COPY:
-            i = ticket // PEERS
-            q = ticket % PEERS
-            remote = ticket < lag
-            j = ticket - lag
-        else:
-            i = ticket // R
-            q = ticket % R
-            remote = q < R - 1
-            j = i - lag
-        if remote:
+        i = ticket // R
+        q = ticket % R
+        if q < R - 1:
             if REMOTE:
                 r = (rank + 1 + q) % R
                 count = tl.load(count_ptr + r)
                 if i * ROWS < count:
-                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, stage_ptr, chunk_ptr, r, i,
-                                         count, parity, epoch, rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS, S, COPY)
+                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
+                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
         elif LOCAL:
+            j = i - lag
             if (j >= 0) & (j * ROWS < T):
-                if COPY:
-                    _wait_chunk(ready_ptr, j, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS, S, INTERPRET)
-                else:
-                    _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS,
-                                   INTERPRET)
+                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS,
+                               INTERPRET)
                 _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                                     R, C, D, K, BLOCK_K, CHUNK, ROWS)
         ticket = tl.atomic_add(control_ptr, 1)
@@ -532,9 +472,8 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs
     """Program (r, b), once rank r's numbering of epoch seq[0] has signalled flag[r] (acquire, system
     scope: its counts, ids and weights are here): table[r * NB + b, l] = valid pairs of local expert l
     among rows [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none).
-    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all,
-    n[1] = the error flag after its waits (non-zero: some wait of this rank gave up) and n[2 + r] =
-    the rows received from rank r."""
+    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all and
+    n[1] = the error flag after its waits (non-zero: some wait of this rank gave up)."""
     epoch = tl.load(seq_ptr)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for src in tl.static_range(R):
@@ -542,7 +481,6 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs
         rr = tl.arange(0, BLOCK_R)
         tl.store(n_ptr, tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0))
         tl.store(n_ptr + 1, tl.load(err_ptr, volatile=True))
-        tl.store(n_ptr + 2 + rr, tl.load(count_ptr + (epoch % 2) * R + rr, mask=rr < R), mask=rr < R)
     else:
         spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
@@ -688,39 +626,16 @@ def combine_items(capacity: int, hidden: int, launch: HtLaunch) -> int:
     return -(-capacity // launch.combine_tiles(hidden)[1])
 
 
-@dataclass(frozen=True)
-class CombineCopy:
-    """Copy-engine mode of the combine (dispatches that gave every rank all T rows, slot = token): the
-    partial rows of each peer's tokens are reduced into a local stage and reach the peer by the copy
-    engine, chunk by chunk, as the kernel stamps them (the copies and their flags are the caller's).
-
-    stage_QCD: [max(R - 1, 1), C, D] y's dtype; row (q, s): the partial row of slot s of peer
-        (rank + 1 + q) % R. chunks_2RN: int32 [2, R, cdiv(C, rows)], zero at first: per peer and
-        chunk of `rows` rows, the epoch of the last call whose kernel finished reducing it (stamped
-        with a release at system scope), then the kernel's arrival counters (left at zero).
-    rows: HtLaunch.combine_copy_chunk(D).
-    recv_rows_R: the rows this rank received from each rank in the dispatch being combined (host ints).
-    """
-
-    stage_QCD: torch.Tensor
-    chunks_2RN: torch.Tensor
-    rows: int
-    recv_rows_R: tuple[int, ...]
-
-
 def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, counts_R: torch.Tensor,
             slot_TR: torch.Tensor, seq_1: torch.Tensor, comb_2RCD: torch.Tensor, ready_RI: torch.Tensor,
             control_3: torch.Tensor, peers: dict[str, torch.Tensor], out_TD: torch.Tensor, rank: int,
-            launch: HtLaunch, wait: DeviceWait, remote: bool, local: bool, copy: CombineCopy | None = None) -> None:
+            launch: HtLaunch, wait: DeviceWait, remote: bool, local: bool) -> None:
     """The combine, or one half of it. remote: reduce each row received from a peer (its local
     results, weighted, fp32, rounded to y's dtype) into the peer's "comb" region and stamp the peer's
-    "comb_ready" flag of its item with the epoch (copy: into copy.stage_QCD, stamping its chunks in
-    copy.chunks_2RN; the caller's copy engine then moves each chunk into the peer's "comb" region and
-    stamps the peer's "comb_ready" flag of the chunk). local: out_TD[t] = this rank's own reduced row
-    of token t + the peers' partial rows (rank order), once they are there (spins on ready_RI, or until
+    "comb_ready" flag of its item with the epoch. local: out_TD[t] = this rank's own reduced row of
+    token t + the peers' partial rows (rank order), once they are there (spins on ready_RI, or until
     `wait` gives up). Both at once (real ranks: one kernel, the local items trailing the remote ones by
-    launch.combine_lag, or all of them with copy), or remote on every rank and then local (emulated
-    ranks, which run in turn).
+    launch.combine_lag), or remote on every rank and then local (emulated ranks, which run in turn).
 
     y_ND: expert outputs [N, D] cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot)
     pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
@@ -735,21 +650,12 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
     _, R, C, D = comb_2RCD.shape
     T, K = slot_TR.shape[0], pos_PK.shape[1]
     chunk, rows = launch.combine_tiles(D)
-    if copy is not None and copy.rows % rows:
-        raise ValueError(f"copy chunks of {copy.rows} rows are not whole items of {rows} rows")
-    if copy is None:
-        stage, chunks = y_ND, control_3  # (unused)
-        lag = launch.combine_lag_iterations(R) if remote and local else 0
-    else:  # lag: the remote items' tickets
-        stage, chunks = copy.stage_QCD, copy.chunks_2RN
-        items = max((-(-n // rows) for r, n in enumerate(copy.recv_rows_R) if r != rank), default=0)
-        lag = max(R - 1, 1) * items if remote else 0
     _combine_kernel[(launch.combine_programs,)](
         y_ND, pos_PK, weights_PK, counts_R, slot_TR, seq_1, comb_2RCD, peers["comb"], ready_RI, peers["comb_ready"],
-        control_3, out_TD, stage, chunks, T, rank, lag, R=R,
-        C=C, NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
-        S=rows if copy is None else copy.rows, COPY=copy is not None, REMOTE=remote, LOCAL=local,
-        TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret, num_warps=launch.combine_warps)
+        control_3, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
+        NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
+        REMOTE=remote, LOCAL=local, TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret,
+        num_warps=launch.combine_warps)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
@@ -758,21 +664,21 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
     """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
     epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
 
-    Returns table_BL int32 [B, L] and sizes_2R int32 [2 + R]: the (row, slot) pairs received from all
-    ranks (the batch's valid rows), wait.err_1 after the kernel's waits, and the rows received from
-    each rank (so that one copy to the host brings them all). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to
+    Returns table_BL int32 [B, L] and size_2 int32 [2]: the (row, slot) pairs received from all ranks
+    (the batch's valid rows), and wait.err_1 after the kernel's waits (so that one copy to the host
+    brings both). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to
     recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag"); pairs_2R: int32
     [2, R] the pairs each rank sends here, per parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    sizes_2R = torch.empty(2 + R, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, sizes_2R, wait.err_1,
+    size_2 = torch.empty(2, dtype=torch.int32, device=recv_ids.device)
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, size_2, wait.err_1,
                                   wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
                                   BLOCK_K=blocks.block_k, BLOCK_L=triton.next_power_of_2(L),
                                   BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=4)
-    return table_BL, sizes_2R
+    return table_BL, size_2
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
