@@ -358,7 +358,7 @@ def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, la
     other ranks' remote halves and before their local halves (the only order in which emulated ranks,
     run in turn, cannot wait forever). Items of 2 rows: several per peer; T 0 on a rank; two rounds, so
     both parities and ready stamps of several epochs; no wait gives up; the ticket counters are back to
-    0 after each."""
+    0 after each, and the kernel advanced the combine's epoch once per call on every path."""
     from epmoe.kernels import ht
     monkeypatch.setattr(ht, "COMBINE_CHUNK", 32)
     monkeypatch.setattr(ht, "COMBINE_STEP", 64)
@@ -380,6 +380,7 @@ def test_one_kernel_combine_with_its_local_items_trailing(monkeypatch, R, Ts, la
         for r, (x, ids, w) in enumerate(inputs):
             torch.testing.assert_close(outs[r].cpu(), expected_combine(cfg, R, x, ids, w), **tol)
         assert all(d.ws.local("control")[:2].tolist() == [0, 0] for d in dispatchers)
+        assert all(int(d.ws.local("combine_seq")) == call + 1 for d in dispatchers)  # one epoch per call
         assert not any(d.timed_out() for d in dispatchers)
 
 

@@ -490,15 +490,16 @@ class HtDispatcher(Dispatcher):
         """Real ranks: the whole combine, one kernel (it spins until the peers' partial rows of each of
         its items are here). Emulated ranks, which run in turn: the remote half only."""
         h: HtHandle = batch.handle
-        seq = self.ws.local("combine_seq")
-        seq.add_(1)
+        seq = self.ws.local("combine_seq")  # the kernel advances it (its remote half: this call's epoch)
         out_TD = torch.empty(h.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
-        epoch_1 = seq.clone() if self._emulated else seq  # the local half runs later: this call's epoch
-        args = (y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, epoch_1, self.ws.local("comb"),
+        args = [y_ND, h.pos_PK, h.weights_PK, h.recv_counts_R, h.slot_TR, seq, self.ws.local("comb"),
                 self.ws.local("comb_ready"), self.ws.local("control"), self._peers, out_TD, self.rank, self.launch,
-                self._wait)
+                self._wait]
         kernels.combine(*args, remote=True, local=not self._emulated)
-        return HtCombinePending(out_TD=out_TD, local_args=args if self._emulated else None)
+        if not self._emulated:
+            return HtCombinePending(out_TD=out_TD, local_args=None)
+        args[5] = seq.clone()  # the local half runs later (emulated ranks may share seq): this call's epoch
+        return HtCombinePending(out_TD=out_TD, local_args=tuple(args))
 
     def _combine_recv(self, pending: HtCombinePending) -> torch.Tensor:
         if pending.local_args is not None:

@@ -416,7 +416,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
     programs, resident or not, finishes. The last program to finish (counter control[1]) sets
     both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
-    epoch = tl.load(seq_ptr)
+    epoch = tl.load(seq_ptr) + REMOTE  # the remote half opens the call's epoch (stored back at the end)
     parity = epoch % 2
     items = 0
     if REMOTE:
@@ -444,9 +444,11 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
                 _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                                     R, C, D, K, BLOCK_K, CHUNK, ROWS)
         ticket = tl.atomic_add(control_ptr, 1)
-    if tl.atomic_add(control_ptr + 1, 1) == tl.num_programs(0) - 1:
+    if tl.atomic_add(control_ptr + 1, 1) == tl.num_programs(0) - 1:  # every program has read seq by now
         tl.store(control_ptr, 0)
         tl.store(control_ptr + 1, 0)
+        if REMOTE:
+            tl.store(seq_ptr, epoch)
 
 
 @triton.jit
@@ -639,8 +641,9 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
 
     y_ND: expert outputs [N, D] cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot)
     pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
-    slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int32 [1] the call's
-    epoch (already incremented); comb_2RCD: this rank's combine region; ready_RI: int32 [R, NI] this
+    slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int32 [1] the epoch
+    (remote: of the previous call, advanced by the kernel, so that no other kernel needs to; local only:
+    of this call); comb_2RCD: this rank's combine region; ready_RI: int32 [R, NI] this
     rank's ready flags (combine_items); control_3: int32 [3], the tickets and finished programs (zero,
     restored after) and then the error flag, which must be wait.err_1; peers: address tables of "comb"
     and "comb_ready"; out_TD: [T, D] y's dtype, written by the local half.
