@@ -190,7 +190,9 @@ class HtDispatcher(Dispatcher):
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
     stream, the layout kernels (the first spins until every rank has numbered its pairs and sums the
     batch size) and, on an internal copy stream, the copy of the batch size to the host;
-    dispatch_recv makes the calling stream wait for the layout. Call the phases from one stream. The
+    dispatch_recv makes the calling stream wait for the layout. In copy-engine mode the calling stream
+    carries the rows' copies and the numbering and this rank's own rows go to the side stream too.
+    Call the phases from one stream. The
     combine kernel's programs can all wait (spinning) for peers' partial rows: do not run the combines
     of two ht dispatchers at once on different streams of a GPU (each could hold every SM while
     waiting for the other's peers). The layout's count kernel also spins, one program per block of
@@ -261,6 +263,8 @@ class HtDispatcher(Dispatcher):
                                              sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
         self._engine = HtCopyEngine(self.ws, self._emulated) if self.copy_engine else None
+        if self._engine is not None and self._early:  # (_dispatch_send_by_engine)
+            self._inputs_ready, self._own_rows_copied = torch.cuda.Event(), torch.cuda.Event()
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -376,32 +380,54 @@ class HtDispatcher(Dispatcher):
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
         calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
-        stream = torch.cuda.current_stream(self.device) if self._early else None  # (copy engine on a GPU: early)
-        if self._engine is not None and not self._emulated:  # the rows leave first: row t goes to row t
-            self._engine.send_rows(x_TD, calls, stream)
+        if self._engine is not None and self._early:
+            return self._dispatch_send_by_engine(x_TD, ids_TK, weights_TK, calls)
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
                                                 self.capacity, L, self._peers, self.rank, dense=self.copy_engine)
         self._dispatch_calls = calls
+        if self._engine is not None:  # emulated ranks (CPU tensors: the epoch is read without a sync)
+            epoch = int(epoch_1)
+            self._engine.send_rows(x_TD, epoch, None)
+            kernels.copy_rows(x_TD, self._engine.own_rows(epoch), self.launch)
+            return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=None, num_tokens=T)
         slot = None
         if self._early:
             slot = self._early_slots[calls % 2]
-            slot.numbered.record(stream)
-        if self._engine is not None:
-            # emulated ranks read the epoch (CPU tensors, no sync; they may share one workspace, and its epoch)
-            epoch = int(epoch_1) if self._emulated else calls
-            if self._emulated:
-                self._engine.send_rows(x_TD, epoch, None)
-            # this rank's own rows on the SMs (a local copy_ would take a copy engine too); then x_TD is the
-            # caller's again once the stream has waited for the engine
-            kernels.copy_rows(x_TD, self._engine.own_rows(epoch), self.launch)
-            self._engine.join(stream)
-        else:
-            kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
+            slot.numbered.record(torch.cuda.current_stream(self.device))
+        kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
         # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
         early = None if slot is None else self._start_early(slot, epoch_1)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
+
+    def _dispatch_send_by_engine(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
+        """Copy-engine mode over a process group. The rows go first, by the copy engine on the stream
+        itself (row t to row t at every peer, then the epoch into each peer's flag): a copy on a stream
+        of its own, behind an event of this stream, started ~10 µs after the event's work on H200. The
+        side stream meanwhile numbers the pairs (the epoch: `calls`, the host's count, is the device's),
+        copies this rank's own rows on the SMs and makes the layout; the stream waits for the own rows
+        (x_TD is the caller's again after dispatch_send, in stream order)."""
+        stream = torch.cuda.current_stream(self.device)
+        self._inputs_ready.record(stream)
+        self._engine.send_rows(x_TD, calls, stream)
+        self._side.wait_event(self._inputs_ready)
+        slot = self._early_slots[calls % 2]
+        with torch.cuda.stream(self._side):
+            slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, self.ws.local("dispatch_seq"),
+                                                    self.ws.local("number_done"), self.world_size, self.capacity,
+                                                    self.num_local_experts, self._peers, self.rank, dense=True)
+            self._dispatch_calls = calls
+            slot.numbered.record(self._side)
+            kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
+            self._own_rows_copied.record(self._side)
+        for t in (x_TD, ids_TK, weights_TK):  # the caller's, read on the side stream
+            t.record_stream(self._side)
+        for t in (slot_TR, epoch_1):  # made on the side stream, read on the stream (combine, the wait)
+            t.record_stream(stream)
+        stream.wait_event(self._own_rows_copied)
+        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=self._start_early(slot, epoch_1),
+                                 num_tokens=x_TD.shape[0])
 
     def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor) -> HtEarly:
         """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout, once

@@ -1,11 +1,10 @@
 """The copy-engine rows of the `ht` dispatcher (its copy_engine mode, see HtDispatcher).
 
-Every token's row goes to row t of each peer's receive region, by the GPU's copy engine on a stream of
-its own, and then the call's epoch into the peer's dispatch flag: a fenced 32-bit write
-(cuStreamWriteValue32, epmoe.cuda_driver), so the rows are visible on the peer before the flag. The
-rows need no numbering, so they are queued before it, and the epoch is the host's count of calls
-(equal to the device's: the mode refuses CUDA graph capture). Emulated ranks (CPU, run in turn) copy
-at once with torch.
+Every token's row goes to row t of each peer's receive region, by the GPU's copy engine, and then the
+call's epoch into the peer's dispatch flag: a fenced 32-bit write (cuStreamWriteValue32,
+epmoe.cuda_driver), so the rows are visible on the peer before the flag. The rows need no numbering,
+so they are queued first, and the epoch is the host's count of calls (equal to the device's: the mode
+refuses CUDA graph capture). Emulated ranks (CPU, run in turn) copy at once with torch.
 
 (The combine's partial rows stay with the combine kernel's SM stores: copying them by the copy engine
 in chunks, each behind a cuStreamWaitValue32 on the kernel's stamp of it, took 259-463 µs at 4096
@@ -21,8 +20,7 @@ from ..symm import Workspace
 
 
 class HtCopyEngine:
-    """Copy-engine state of one rank's `ht` dispatcher: views of its rows and flags at every rank and,
-    on a GPU, the engine stream and its events."""
+    """Copy-engine state of one rank's `ht` dispatcher: views of its rows and flags at every rank."""
 
     def __init__(self, ws: Workspace, emulated: bool) -> None:
         R, rank = ws.world_size, ws.rank
@@ -33,35 +31,22 @@ class HtCopyEngine:
         # [r]: the int32 low word of dispatch_flag[this rank] at rank r (an int64 that only this rank writes,
         # with epochs < 2^31; little-endian)
         self._flag_at = [ws.peer("dispatch_flag", r).view(torch.int32)[2 * rank:][:1] for r in range(R)]
-        if not emulated:
-            self._stream = torch.cuda.Stream(ws.local("recv_x").device)
-            self._start, self._done = torch.cuda.Event(), torch.cuda.Event()
 
     def send_rows(self, x_TD: torch.Tensor, epoch: int, stream: torch.cuda.Stream | None) -> None:
         """x_TD's rows into every peer's receive region (parity epoch % 2, this rank, row t), then epoch
-        into the peer's dispatch flag of this rank. GPU: on the engine stream, after the work queued so
-        far on `stream` (x_TD's producer); `join` makes a stream wait for it. Emulated: now."""
+        into the peer's dispatch flag of this rank. GPU: queued on `stream`. Emulated: now."""
         rows_at = self._rows_at[epoch % 2]
         if self.emulated:
             for r in self._peers:
                 rows_at[r][:x_TD.shape[0]].copy_(x_TD)
                 self._flag_at[r].fill_(epoch)
             return
-        self._start.record(stream)
-        self._stream.wait_event(self._start)
         nbytes = x_TD.numel() * x_TD.element_size()
         for r in self._peers:
             if nbytes:
-                cuda_driver.copy(self._stream, rows_at[r].data_ptr(), x_TD.data_ptr(), nbytes)
-            cuda_driver.write_value(self._stream, self._flag_at[r].data_ptr(), epoch)
-        x_TD.record_stream(self._stream)
-        self._done.record(self._stream)
+                cuda_driver.copy(stream, rows_at[r].data_ptr(), x_TD.data_ptr(), nbytes)
+            cuda_driver.write_value(stream, self._flag_at[r].data_ptr(), epoch)
 
     def own_rows(self, epoch: int) -> torch.Tensor:
         """[C, D]: this rank's own receive region of parity epoch % 2 (its rows from itself)."""
         return self._rows_at[epoch % 2][self.rank]
-
-    def join(self, stream: torch.cuda.Stream | None) -> None:
-        """Make `stream` wait for the engine stream's work queued so far (GPU; emulated: nothing)."""
-        if not self.emulated:
-            stream.wait_event(self._done)
