@@ -21,6 +21,10 @@ a layer). Reported per rank:
   the NVLink limit is 478 GB/s per direction;
 - DeepEP's metric: all received rows including the local share (hidden bytes, + scales for fp8) per second;
 - host us: the host's time to queue one dispatch (Python and launches; the GPU time above excludes it).
+One more bf16 row, "bf16 K=R": top-k = R with token t's k-th expert on rank k, so that the combine
+reads and returns one row per (token, rank): the work of DeepEP's combine, whose input is one row per
+received token (the sum over a rank's own experts left to the caller), where the K 8 rows' combine
+also reads and sums every (token, expert) row (4x the expert rows at K 8, R 2). No alltoall beside it.
 The ht dispatchers are built per T with max_tokens_per_rank = T (a layer sizes them to its batch; the
 layout's cost follows the rows received either way). Writes OUT_DIR/bench_dispatch.json and prints a
 table. Runs well under 90 s.
@@ -62,6 +66,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     return args
+
+
+def one_per_rank_inputs(T: int, D: int, E: int, R: int, device, seed: int):
+    """x_TD bf16, ids_TR (column r: a uniform random expert of rank r), weights_TR (softmax), from `seed`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, D, device=device, generator=g).to(torch.bfloat16)
+    L = E // R
+    ids = torch.randint(0, L, (T, R), device=device, generator=g) + torch.arange(R, device=device) * L
+    w = torch.rand(T, R, device=device, generator=g).softmax(dim=1)
+    return x, ids, w
 
 
 def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
@@ -184,42 +198,49 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
     for T in args.tokens:
         # capacity = the T measured, as a layer sized for its batch would be built
         cfg_bf16 = MoEConfig(**common, max_tokens_per_rank=T)
-        hts = {"bf16": HtDispatcher(cfg_bf16, ctx.group),
-               "fp8": HtDispatcher(MoEConfig(**common, max_tokens_per_rank=T, quant="fp8_block"), ctx.group)}
-        if hts["bf16"].copy_engine:  # the default moves bf16 rows by copy engine here: the send kernel beside it
-            hts["bf16 SM"] = HtDispatcher(cfg_bf16, ctx.group, copy_engine=False)
-        kept.append(hts)
         inputs = [random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)]
-        # pairs this rank sends to other ranks, and rows it receives (from others / in all), set 0
-        ids = inputs[0][1]
-        dest_TK = ids // L
-        wants_TR = torch.zeros(T, R, dtype=torch.int32, device=ctx.device).scatter_(1, dest_TK, 1)
-        sent_R = wants_TR.sum(0)
-        recv_R = torch.empty_like(sent_R)
-        dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
-        sent_other = int(sent_R.sum() - sent_R[ctx.rank])
-        recv_all, recv_other = int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
+        runs = {"bf16": (HtDispatcher(cfg_bf16, ctx.group), inputs),
+                "fp8": (HtDispatcher(MoEConfig(**common, max_tokens_per_rank=T, quant="fp8_block"), ctx.group),
+                        inputs)}
+        if runs["bf16"][0].copy_engine:  # the default moves bf16 rows by copy engine here: the send kernel beside it
+            runs["bf16 SM"] = (HtDispatcher(cfg_bf16, ctx.group, copy_engine=False), inputs)
+        runs["bf16 K=R"] = (HtDispatcher(MoEConfig(**dict(common, top_k=R), max_tokens_per_rank=T), ctx.group),
+                            [one_per_rank_inputs(T, D, E, R, ctx.device, seed=1000 * ctx.rank + s) for s in range(2)])
+        kept.append(runs)
         a2a_t = time_dispatcher(a2a, inputs, args.warmup, args.iters, ctx.group)
         a2a_d, a2a_c = a2a_t["dispatch"], a2a_t["combine"]
-        for prec, ht in hts.items():
-            t = time_dispatcher(ht, inputs, args.warmup, args.iters, ctx.group)
+        for prec, (ht, run_inputs) in runs.items():
+            sent_other, recv_all, recv_other = _traffic(run_inputs[0][1], L, ctx)
+            t = time_dispatcher(ht, run_inputs, args.warmup, args.iters, ctx.group)
             d_us, c_us = t["dispatch"], t["combine"]
             row_b = D + 4 * G if prec == "fp8" else D * 2
+            same_data = prec != "bf16 K=R"  # alltoall ran on the top-K inputs
             rows.append(dict(
                 rank=ctx.rank, tokens=T, precision=prec, rows_by="copy engine" if ht.copy_engine else "send kernel",
                 dispatch_us=d_us, combine_us=c_us,
                 transfer_us=t["transfer"], ready_us=t["ready"], host_us=t["host"],
-                transfer_link_GBps=sent_other * (row_b + 8 * K) / t["transfer"] / 1e3,
-                dispatch_link_GBps=sent_other * (row_b + 8 * K) / d_us / 1e3,
+                transfer_link_GBps=sent_other * (row_b + 8 * ht.cfg.top_k) / t["transfer"] / 1e3,
+                dispatch_link_GBps=sent_other * (row_b + 8 * ht.cfg.top_k) / d_us / 1e3,
                 combine_link_GBps=recv_other * D * 2 / c_us / 1e3,
                 dispatch_deepep_GBps=recv_all * row_b / d_us / 1e3,
                 combine_deepep_GBps=recv_all * D * 2 / c_us / 1e3,
-                alltoall_dispatch_us=a2a_d, alltoall_combine_us=a2a_c,
-                speedup_vs_alltoall=(a2a_d + a2a_c) / (d_us + c_us),
+                alltoall_dispatch_us=a2a_d if same_data else None, alltoall_combine_us=a2a_c if same_data else None,
+                speedup_vs_alltoall=(a2a_d + a2a_c) / (d_us + c_us) if same_data else None,
                 pairs_sent_to_others=sent_other, rows_received=recv_all, capacity=ht.capacity,
                 ht_programs=ht.launch.programs, ht_combine_programs=ht.launch.combine_programs,
                 sms=torch.cuda.get_device_properties(ctx.device).multi_processor_count))
     return rows
+
+
+def _traffic(ids_TK: torch.Tensor, L: int, ctx: RankContext) -> tuple[int, int, int]:
+    """(token, rank) pairs this rank sends to other ranks, and rows it receives in all and from other
+    ranks (a token counts once per rank holding any of its experts)."""
+    T, R = ids_TK.shape[0], ctx.world_size
+    wants_TR = torch.zeros(T, R, dtype=torch.int32, device=ids_TK.device).scatter_(1, ids_TK // L, 1)
+    sent_R = wants_TR.sum(0)
+    recv_R = torch.empty_like(sent_R)
+    dist.all_to_all_single(recv_R, sent_R, group=ctx.group)
+    return int(sent_R.sum() - sent_R[ctx.rank]), int(recv_R.sum()), int(recv_R.sum() - recv_R[ctx.rank])
 
 
 def _table(rows: list[dict]) -> str:
@@ -233,9 +254,13 @@ def _table(rows: list[dict]) -> str:
             f"{r['transfer_us']:.0f}",
             f"{r['ready_us']:.0f}", f"{r['combine_us']:.0f}", f"{r['transfer_link_GBps']:.0f}",
             f"{r['dispatch_link_GBps']:.0f}", f"{r['combine_link_GBps']:.0f}", f"{r['dispatch_deepep_GBps']:.0f}",
-            f"{r['combine_deepep_GBps']:.0f}", f"{r['alltoall_dispatch_us']:.0f}",
-            f"{r['alltoall_combine_us']:.0f}", f"{r['speedup_vs_alltoall']:.2f}", f"{r['host_us']:.0f}"]))
+            f"{r['combine_deepep_GBps']:.0f}", _num(r["alltoall_dispatch_us"], ".0f"),
+            _num(r["alltoall_combine_us"], ".0f"), _num(r["speedup_vs_alltoall"], ".2f"), f"{r['host_us']:.0f}"]))
     return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def main(argv: list[str]) -> None:
