@@ -1,5 +1,7 @@
 """epmoe.cuda_driver on one GPU: a copy and a fenced flag write queued on a stream behind a kernel of
-another stream that writes its source late (2 ms) move what the kernel wrote, in that order."""
+another stream that writes its source late (2 ms) move what the kernel wrote; a kernel on a third
+stream that spins on the flag and then reads the copy's destination finds the copied data (the fence
+orders the copy's writes before the flag)."""
 import pytest
 import torch
 import triton
@@ -18,21 +20,31 @@ def _late_fill_kernel(data_ptr, value, delay_ns, N: tl.constexpr):
     tl.store(data_ptr + tl.arange(0, N), tl.full([N], value, tl.int32))
 
 
+@triton.jit
+def _read_after_flag_kernel(flag_ptr, value, src_ptr, out_ptr, N: tl.constexpr):
+    """Spin until flag >= value (acquire, system scope), then out[:N] = src[:N]."""
+    while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < value:
+        pass
+    tl.store(out_ptr + tl.arange(0, N), tl.load(src_ptr + tl.arange(0, N), volatile=True))
+
+
 @pytest.mark.gpu
 def test_copy_then_write_after_a_late_kernel():
     from epmoe import cuda_driver
     N = 1024
     src = torch.zeros(N, dtype=torch.int32, device="cuda")
-    dst = torch.zeros_like(src)
+    dst, out = torch.zeros_like(src), torch.zeros_like(src)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    engine, filled = torch.cuda.Stream(), torch.cuda.Event()
+    engine, reader, filled = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()
     for value in (7, 8):
+        with torch.cuda.stream(reader):  # queued first: it spins until the flag says the copy is done
+            _read_after_flag_kernel[(1,)](flag, 100 + value, dst, out, N=N, num_warps=4)
         _late_fill_kernel[(1,)](src, value, 2_000_000, N=N, num_warps=4)
         filled.record()
         engine.wait_event(filled)
         cuda_driver.copy(engine, dst.data_ptr(), src.data_ptr(), N * 4)
         cuda_driver.write_value(engine, flag.data_ptr(), 100 + value)
-        engine.synchronize()
-        assert dst.eq(value).all() and flag.item() == 100 + value
+        torch.cuda.synchronize()
+        assert dst.eq(value).all() and out.eq(value).all() and flag.item() == 100 + value
     with pytest.raises(RuntimeError, match="cuMemcpyDtoDAsync failed: CUDA_ERROR_INVALID_VALUE"):
         cuda_driver._check(1, "cuMemcpyDtoDAsync")

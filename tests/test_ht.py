@@ -311,7 +311,8 @@ def test_copy_engine_calls_alternate_parities():
 def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
     """Dispatchers of both modes and one config on the same ranks keep their own flags (whose meaning
     differs) and epochs; a call whose numbering fails to launch leaves the host's count of calls (the
-    copy engine's parity) where the device epoch is."""
+    copy engine's parity) where the device epoch is (emulated path; on GPUs the rows and their flag
+    have left by then, and the dispatcher marks itself failed: test_gpu_copy_engine_edges)."""
     from epmoe.kernels import ht
     cfg = _cfg(E=4, K=2, D=32, C=4)
     from epmoe.dispatch.ht import HtDispatcher
@@ -693,6 +694,57 @@ def test_gpu_exact(quant):
     (the first two in flight together); 129 tokens on a rank: two numbering programs."""
     from epmoe.launch import spawn
     assert all(spawn(_gpu_exact, gpu_test_ranks(), "cuda", (quant, 3), timeout_s=240))
+
+
+def _gpu_copy_engine_edges(ctx):
+    """Copy-engine mode over real ranks: (1) inputs made late on the stream (behind a 1 ms spin) and
+    passed to _dispatch_send, which skips check_tokens' host sync, then x, ids and weights overwritten
+    at once: the side stream's numbering and own-rows copy still read this call's inputs, the rows and
+    sums are exact; (2) a numbering that fails to queue after the rows and their flag have left marks
+    the dispatcher failed on every rank: timed_out(), and the next dispatch raises."""
+    from unittest import mock
+
+    from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.kernels import ht
+    R = ctx.world_size
+    E, K, D, T = multiple_of(8, R), 8, 256, 37
+    cfg = _cfg(E=E, K=K, D=D, C=T)
+    d = HtDispatcher(cfg, ctx.group, copy_engine=True, wait_timeout_s=10.0)
+    for call in range(2):
+        inputs = [exact_inputs(cfg, r, T, "random", seed=40 + call) for r in range(R)]
+        staged = [t.to(ctx.device) for t in inputs[ctx.rank]]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)
+        x, ids, w = (t.clone() for t in staged)  # ready only after the spin
+        pending = d._dispatch_send(x, ids, w.float())
+        x.zero_()
+        ids.fill_(-1)
+        w.zero_()
+        b = d.dispatch_recv(pending)
+        rows, counts = expected_batch_rows(cfg, R, ctx.rank, inputs)
+        assert b.counts_L.tolist() == counts, (call, b.counts_L.tolist(), counts)
+        assert torch.equal(b.materialize().x[:sum(counts)].cpu(), torch.stack(rows)), call
+        out = d.combine(expert_fn(b.materialize(), cfg, ctx.rank, E // R), b)
+        torch.testing.assert_close(out.cpu(), expected_combine(cfg, R, *inputs[ctx.rank]), rtol=0, atol=0)
+    assert not d.timed_out()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("numbering failed to launch")
+    x, ids, w = (t.to(ctx.device) for t in exact_inputs(cfg, ctx.rank, T, "random", seed=50))
+    with mock.patch.object(ht, "number_pairs", fails):
+        with pytest.raises(RuntimeError, match="numbering failed"):
+            d.dispatch_send(x, ids, w)
+    assert d.timed_out()
+    with pytest.raises(RuntimeError, match="rebuild the dispatcher"):
+        d.dispatch(x, ids, w)
+    return True
+
+
+@needs_gpus
+@pytest.mark.gpu2
+def test_gpu_copy_engine_edges():
+    from epmoe.launch import spawn
+    assert all(spawn(_gpu_copy_engine_edges, gpu_test_ranks(), "cuda", (), timeout_s=240))
 
 
 def rows_by_expert(x: torch.Tensor, offsets_L1: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,8 @@ class HtEarlySlot:
     later, after its dispatch's receive has read it."""
 
     host_2: torch.Tensor  # pinned int32 [2]: HtLayout.size_2 of its dispatch
-    numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent)
+    numbered: torch.cuda.Event  # recorded after the numbering kernels (ids and weights sent), on the stream
+    #   (copy-engine mode: on the side stream)
     counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
     sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
@@ -407,20 +408,29 @@ class HtDispatcher(Dispatcher):
         of its own, behind an event of this stream, started ~10 µs after the event's work on H200. The
         side stream meanwhile numbers the pairs (the epoch: `calls`, the host's count, is the device's),
         copies this rank's own rows on the SMs and makes the layout; the stream waits for the own rows
-        (x_TD is the caller's again after dispatch_send, in stream order)."""
+        (x_TD is the caller's again after dispatch_send, in stream order).
+
+        The peers have this call's rows and flag before the numbering is queued: if queueing it fails,
+        the dispatcher is marked failed (the error flag of a wait that gave up) before the exception
+        goes on, so that no later call mistakes those for a complete dispatch."""
         stream = torch.cuda.current_stream(self.device)
         self._inputs_ready.record(stream)
         self._engine.send_rows(x_TD, calls, stream)
         self._side.wait_event(self._inputs_ready)
         slot = self._early_slots[calls % 2]
-        with torch.cuda.stream(self._side):
-            slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, self.ws.local("dispatch_seq"),
-                                                    self.ws.local("number_done"), self.world_size, self.capacity,
-                                                    self.num_local_experts, self._peers, self.rank, dense=True)
-            self._dispatch_calls = calls
-            slot.numbered.record(self._side)
-            kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
-            self._own_rows_copied.record(self._side)
+        try:
+            with torch.cuda.stream(self._side):
+                slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, self.ws.local("dispatch_seq"),
+                                                        self.ws.local("number_done"), self.world_size,
+                                                        self.capacity, self.num_local_experts, self._peers,
+                                                        self.rank, dense=True)
+                self._dispatch_calls = calls
+                slot.numbered.record(self._side)
+                kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
+                self._own_rows_copied.record(self._side)
+        except BaseException:
+            self._wait.err_1.fill_(1)  # (on the stream: after the flags it poisons)
+            raise
         for t in (x_TD, ids_TK, weights_TK):  # the caller's, read on the side stream
             t.record_stream(self._side)
         for t in (slot_TR, epoch_1):  # made on the side stream, read on the stream (combine, the wait)
@@ -435,9 +445,10 @@ class HtDispatcher(Dispatcher):
         stream once the layout's first kernel has summed it, the batch size to the host. The layout's
         tensors are allocated on the side stream and read on the stream (after `laid_out`): when they
         are freed, the side stream may reuse their memory at once, which is safe because all its later
-        work starts after a later dispatch's `numbered`, recorded on the stream after everything queued
-        there before. The size (layout.size_2) is also read on the copy stream: record_stream keeps its
-        memory until that copy is done."""
+        work starts after an event a later dispatch records on the stream after everything queued there
+        before (`numbered`; copy-engine mode: `_inputs_ready`, which the side stream waits for). The
+        size (layout.size_2) is also read on the copy stream: record_stream keeps its memory until that
+        copy is done."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
             layout = self._layout(epoch_1, counted=slot.counted)
@@ -475,7 +486,8 @@ class HtDispatcher(Dispatcher):
 
     def _dispatch_wait(self) -> None:
         """Block the stream until every rank's rows of the latest epoch are here."""
-        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the stream)
+        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the side stream, which
+        # dispatch_send made the stream wait for)
         programs, skip = (1, self.rank) if self.copy_engine else (self.launch.programs, -1)
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), programs, self._wait, skip)
 

@@ -414,7 +414,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
     i - lag (LOCAL); an item is ROWS rows. A local item waits only for peers' remote items of no
     larger index, which every rank hands out before it, to programs that never wait: any number of
     programs, resident or not, finishes. The last program to finish (counter control[1]) sets
-    both counters back to 0. control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
+    both counters back to 0 and, REMOTE, stores this call's epoch into seq (the only thing that
+    advances it; no program reads seq after that: each reads it before its own control[1] add).
+    control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
     epoch = tl.load(seq_ptr) + REMOTE  # the remote half opens the call's epoch (stored back at the end)
     parity = epoch % 2
