@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.kernels.sync import now_ns
+from epmoe.kernels.sync import now_ns, spin_until
 
 
 @triton.jit
@@ -21,10 +21,9 @@ def _late_fill_kernel(data_ptr, value, delay_ns, N: tl.constexpr):
 
 
 @triton.jit
-def _read_after_flag_kernel(flag_ptr, value, src_ptr, out_ptr, N: tl.constexpr):
-    """Spin until flag >= value (acquire, system scope), then out[:N] = src[:N]."""
-    while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < value:
-        pass
+def _read_after_flag_kernel(flag_ptr, value, err_ptr, src_ptr, out_ptr, N: tl.constexpr):
+    """Spin until flag >= value (acquire, system scope; err = 1 after 10 s without), then out[:N] = src[:N]."""
+    spin_until(flag_ptr, value, err_ptr, 10_000_000_000, False)
     tl.store(out_ptr + tl.arange(0, N), tl.load(src_ptr + tl.arange(0, N), volatile=True))
 
 
@@ -34,17 +33,21 @@ def test_copy_then_write_after_a_late_kernel():
     N = 1024
     src = torch.zeros(N, dtype=torch.int32, device="cuda")
     dst, out = torch.zeros_like(src), torch.zeros_like(src)
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    engine, reader, filled = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()
+    flag, err = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    # three streams of their own (none is the legacy default stream, which would wait for the spinning reader)
+    producer, engine, reader = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    filled = torch.cuda.Event()
+    torch.cuda.synchronize()
     for value in (7, 8):
         with torch.cuda.stream(reader):  # queued first: it spins until the flag says the copy is done
-            _read_after_flag_kernel[(1,)](flag, 100 + value, dst, out, N=N, num_warps=4)
-        _late_fill_kernel[(1,)](src, value, 2_000_000, N=N, num_warps=4)
-        filled.record()
+            _read_after_flag_kernel[(1,)](flag, 100 + value, err, dst, out, N=N, num_warps=4)
+        with torch.cuda.stream(producer):
+            _late_fill_kernel[(1,)](src, value, 2_000_000, N=N, num_warps=4)
+            filled.record(producer)
         engine.wait_event(filled)
         cuda_driver.copy(engine, dst.data_ptr(), src.data_ptr(), N * 4)
         cuda_driver.write_value(engine, flag.data_ptr(), 100 + value)
         torch.cuda.synchronize()
-        assert dst.eq(value).all() and out.eq(value).all() and flag.item() == 100 + value
+        assert err.item() == 0 and dst.eq(value).all() and out.eq(value).all() and flag.item() == 100 + value
     with pytest.raises(RuntimeError, match="cuMemcpyDtoDAsync failed: CUDA_ERROR_INVALID_VALUE"):
         cuda_driver._check(1, "cuMemcpyDtoDAsync")
