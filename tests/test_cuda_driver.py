@@ -37,6 +37,9 @@ def test_copy_then_write_after_a_late_kernel():
     # three streams of their own (none is the legacy default stream, which would wait for the spinning reader)
     producer, engine, reader = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
     filled = torch.cuda.Event()
+    # load both kernels first: loading a module (a kernel's first launch) can wait for the running ones
+    _read_after_flag_kernel[(1,)](flag, 0, err, dst, out, N=N, num_warps=4)
+    _late_fill_kernel[(1,)](src, 0, 0, N=N, num_warps=4)
     torch.cuda.synchronize()
     for value in (7, 8):
         with torch.cuda.stream(reader):  # queued first: it spins until the flag says the copy is done
