@@ -10,7 +10,7 @@ import triton.language as tl
 from epmoe.kernels.sync import now_ns, spin_until
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value", "delay_ns"])
 def _late_fill_kernel(data_ptr, value, delay_ns, N: tl.constexpr):
     """After delay_ns on the GPU's clock: data[:N] = value."""
     start = now_ns(tl.full([], 0, tl.int64), False)
@@ -20,7 +20,7 @@ def _late_fill_kernel(data_ptr, value, delay_ns, N: tl.constexpr):
     tl.store(data_ptr + tl.arange(0, N), tl.full([N], value, tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value"])
 def _read_after_flag_kernel(flag_ptr, value, err_ptr, src_ptr, out_ptr, N: tl.constexpr):
     """Spin until flag >= value (acquire, system scope; err = 1 after 10 s without), then out[:N] = src[:N]."""
     spin_until(flag_ptr, value, err_ptr, 10_000_000_000, False)
@@ -37,7 +37,9 @@ def test_copy_then_write_after_a_late_kernel():
     # three streams of their own (none is the legacy default stream, which would wait for the spinning reader)
     producer, engine, reader = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
     filled = torch.cuda.Event()
-    # load both kernels first: loading a module (a kernel's first launch) can wait for the running ones
+    # load both kernels first (their int arguments unspecialized: one build whatever the values):
+    # loading a kernel's module at its first launch waits for the kernels running on the GPU (the
+    # spinning reader: it gave up after 10 s when the late kernel's build was new)
     _read_after_flag_kernel[(1,)](flag, 0, err, dst, out, N=N, num_warps=4)
     _late_fill_kernel[(1,)](src, 0, 0, N=N, num_warps=4)
     torch.cuda.synchronize()
