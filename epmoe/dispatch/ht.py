@@ -198,7 +198,10 @@ class HtDispatcher(Dispatcher):
     of two ht dispatchers at once on different streams of a GPU (each could hold every SM while
     waiting for the other's peers). The layout's count kernel also spins, one program per block of
     received rows, until the peers have numbered their pairs: a late peer keeps those programs on the
-    SMs meanwhile.
+    SMs meanwhile. A kernel's first launch in a new build (Triton specializes int arguments such as T
+    on == 1 and divisibility by 16) loads its module, which waits for the kernels running on the GPU:
+    such a call's host can stall until a spinning kernel of an earlier call ends (it ends: it waits
+    for work the peers queued before); calls at shapes seen before do not.
     """
 
     name = "ht"
