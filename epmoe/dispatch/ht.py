@@ -380,12 +380,12 @@ class HtDispatcher(Dispatcher):
                 raise ValueError(f"{name} must be [T={x_TD.shape[0]}, K={K}], got {tuple(t.shape)}")
 
     def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
-        R, L = self.world_size, self.num_local_experts
-        T = x_TD.shape[0]
-        seq = self.ws.local("dispatch_seq")
         calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
         if self._engine is not None and self._early:
             return self._dispatch_send_by_engine(x_TD, ids_TK, weights_TK, calls)
+        R, L = self.world_size, self.num_local_experts
+        T = x_TD.shape[0]
+        seq = self.ws.local("dispatch_seq")
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
