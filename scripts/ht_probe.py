@@ -23,13 +23,16 @@ from epmoe.bench.dispatch import NVLINK_ENV, random_inputs, time_dispatcher
 from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
-# (dispatch programs per SM, dispatch warps, combine programs per SM, combine warps[, combine columns
+# (dispatch programs per SM (may be fractional: SMs left to the numbering and layout), dispatch warps, combine programs per SM, combine warps[, combine columns
 # per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
 def _rank(ctx, args):
+    import epmoe.dispatch.ht
     from epmoe.dispatch.ht import HtDispatcher
+    if args.sparse:  # every dispatcher in the numbering-first order
+        epmoe.dispatch.ht.copy_engine_pays = lambda world_size, top_k: False
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
@@ -44,7 +47,7 @@ def _rank(ctx, args):
             combine = dict(zip(("combine_chunk", "combine_step", "combine_lag"), tiles))
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
             d = HtDispatcher(cfg, ctx.group, copy_engine=False if args.send_kernel else None,
-                             launch=dataclasses.replace(default, programs=dp * sms, num_warps=dw,
+                             launch=dataclasses.replace(default, programs=round(dp * sms), num_warps=dw,
                                                         combine_programs=cp * sms, combine_warps=cw, **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
@@ -98,6 +101,8 @@ def main() -> None:
     p.add_argument("--fp8-only", action="store_true")
     p.add_argument("--bf16-only", action="store_true")
     p.add_argument("--send-kernel", action="store_true", help="bf16 rows by the send kernel, not the copy engine")
+    p.add_argument("--sparse", action="store_true", help="rows only where they have an expert, after the numbering "
+                   "(no dense mode)")
     p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
     args = p.parse_args()
     args.settings = [tuple(float(v) if "." in v else int(v) for v in item.split(",")) for item in args.settings.split(";")]

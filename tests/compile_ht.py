@@ -33,13 +33,15 @@ def main() -> None:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
         for fp8 in (False, True):
-            dt = "fp8e4nv" if fp8 else "bf16"
-            check(f"dispatch_send D{D} {dt}", compile_hopper(
-                k._dispatch_send_kernel,
-                dict(x_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", recv_x_peers="*i64", recv_scale_peers="*i64",
-                     flag_peers="*i64", T="i32", rank="i32", C="i32"),
-                dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS),
-                ["x_ptr", "slot_ptr"], warps, 1), failures, big)
+            for dense in (False, True):
+                dt = "fp8e4nv" if fp8 else "bf16"
+                check(f"dispatch_send D{D} {dt} dense {dense}", compile_hopper(
+                    k._dispatch_send_kernel,
+                    dict(x_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", recv_x_peers="*i64", recv_scale_peers="*i64",
+                         flag_peers="*i64", T="i32", rank="i32", dense_parity="i32", C="i32"),
+                    dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS,
+                         DENSE=dense),
+                    ["x_ptr", "slot_ptr"], warps, 1), failures, big)
         check(f"copy_rows D{D}", compile_hopper(
             k._copy_rows_kernel, dict(src_ptr="*bf16", dst_ptr="*bf16", T="i32"),
             dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
@@ -65,7 +67,7 @@ def main() -> None:
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
             k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
-                                         flag_ptr="*i64", pairs_ptr="*i32", n_ptr="*i32", err_ptr="*i32",
+                                         flag_ptr="*i64", pairs_ptr="*i32", size_ptr="*i64", err_ptr="*i32",
                                          timeout_ns="i64", C="i32", NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"],
             4, 1), failures, False)

@@ -333,6 +333,22 @@ def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
     assert d._dispatch_calls == calls == int(d.ws.local("dispatch_seq"))
 
 
+@pytest.mark.parametrize("R,E,quant", [(2, 8, None), (2, 8, "fp8_block"), (3, 12, "fp8_block")])
+def test_dense_send_kernel_round_trip(R, E, quant):
+    """Dense mode by the send kernel (K 8: nearly every token reaches every rank; fp8 rows, or bf16 with
+    the copy engine off): every row at row t of every rank, ids -1 where a token has no expert; over
+    calls of changing T, so both parities and rows left from an earlier call are seen."""
+    cfg = _cfg(E=E, K=8, D=128, C=6, quant=quant)
+    dispatchers = make_world(cfg, R)
+    assert all(d.dense and not d.copy_engine for d in dispatchers)
+    for call, Ts in enumerate(([6, 2, 5], [1, 6, 0], [0, 3, 6])):
+        inputs = []
+        for r, T in enumerate(Ts[:R]):
+            x, ids, w = exact_inputs(cfg, r, T, "holes", seed=90 + call, device=_EMU_DEVICE)
+            inputs.append((fp8_exact_rows(T, cfg.hidden_size, seed=r).to(_EMU_DEVICE) if quant else x, ids, w))
+        check_round_trip(cfg, dispatchers, inputs)
+
+
 def test_copy_engine_choice():
     """None picks the copy engine only for a process group with bf16 rows, host-synced, and a routing that
     sends nearly every token to every rank; True is refused where it cannot work."""
@@ -341,6 +357,10 @@ def test_copy_engine_choice():
         [True, True, False, True, False, False, False]
     groups = EmulatedGroup.world(2)
     assert not HtDispatcher(_cfg(K=8, E=8), groups[0], device=_EMU_DEVICE).copy_engine  # emulated: off
+    dense = {(K, sync_free, quant): HtDispatcher(_cfg(K=K, E=8, D=128, quant=quant), groups[0], device=_EMU_DEVICE,
+                                                 sync_free=sync_free).dense
+             for K in (4, 8) for sync_free in (False, True) for quant in (None, "fp8_block")}
+    assert [key for key, on in dense.items() if on] == [(8, False, None), (8, False, "fp8_block")]
     with pytest.raises(ValueError, match="fp8"):
         HtDispatcher(_cfg(D=128, quant="fp8_block"), groups[0], device=_EMU_DEVICE, copy_engine=True)
     with pytest.raises(ValueError, match="sync_free"):
@@ -528,17 +548,22 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     wait = DeviceWait(err_1=torch.zeros(1, dtype=torch.int32, device=_EMU_DEVICE), timeout_ns=10 ** 6)
     blocks = ht.layout_blocks(C, K)
 
+    size_1 = torch.full((1,), 5 << 32, dtype=torch.int64, device=_EMU_DEVICE)  # epoch 5's size: 0 pairs
+
     def count():  # rank 0's layout count: its per-block expert counts and the pairs it receives in all
         return ht.layout_count(bufs["recv_ids"][0], bufs["recv_count"][0], epoch_1, blocks, L, flags[0], pairs[0],
-                               wait)
-    table, size_2 = count()
-    assert size_2.tolist() == [10 * R * (R - 1) // 2, 0] and wait.err_1.item() == 0
+                               size_1, wait)
+    assert ht.batch_size(int(size_1), 6) is None and ht.batch_size(int(size_1), 5) == 0
+    table = count()
+    assert ht.batch_size(int(size_1), 6) == 10 * R * (R - 1) // 2 and wait.err_1.item() == 0
+    assert ht.batch_size(int(size_1), 5) is None
     lid0 = torch.where((ids >= 0) & (ids < L), ids, -1)[want[:, 0] >= 0]  # rank 0's ids of the tokens sent there
     per_source = table.cpu().view(R, blocks.blocks_per_rank, L).sum(1)
     assert torch.equal(per_source[rank], torch.bincount(lid0[lid0 >= 0].long(), minlength=L).int())
     assert per_source[:rank].eq(0).all()  # recv_count of the other sources: -7, no rows
     flags[0][R - 1] = 5  # rank R - 1 has not signalled epoch 6: the wait gives up and says so
-    assert count()[1][1].item() == 1 and wait.err_1.item() == 1
+    count()
+    assert ht.batch_size(int(size_1), 6) == -1 and wait.err_1.item() == 1
 
 
 def test_float32_dtype():

@@ -216,7 +216,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
             row_b = D + 4 * G if prec == "fp8" else D * 2
             same_data = prec != "bf16 K=R"  # alltoall ran on the top-K inputs
             rows.append(dict(
-                rank=ctx.rank, tokens=T, precision=prec, rows_by="copy engine" if ht.copy_engine else "send kernel",
+                rank=ctx.rank, tokens=T, precision=prec, rows_by=_rows_by(ht),
                 dispatch_us=d_us, combine_us=c_us,
                 transfer_us=t["transfer"], ready_us=t["ready"], host_us=t["host"],
                 transfer_link_GBps=sent_other * (row_b + 8 * ht.cfg.top_k) / t["transfer"] / 1e3,
@@ -230,6 +230,10 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
                 ht_programs=ht.launch.programs, ht_combine_programs=ht.launch.combine_programs,
                 sms=torch.cuda.get_device_properties(ctx.device).multi_processor_count))
     return rows
+
+
+def _rows_by(ht) -> str:
+    return "copy engine" if ht.copy_engine else "send kernel, dense" if ht.dense else "send kernel"
 
 
 def _traffic(ids_TK: torch.Tensor, L: int, ctx: RankContext) -> tuple[int, int, int]:

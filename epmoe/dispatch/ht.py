@@ -4,13 +4,14 @@ Dispatch, on the sender: two kernels number its (token, destination rank) pairs 
 sum and store into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
 get and each token's destination-local ids and weights, with one signal; then one Triton kernel
 stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
-straight into that rank's receive region, and signals. Copy-engine mode (bf16 rows when nearly every
-token goes to every rank, see `copy_engine`; ht_engine.py): slot = t, and the copy engine moves all T
-rows to each peer (queued first: they need no numbering; no SM is busy with them), then the epoch into
-the peer's flag. On the receiver (host-synced mode, process
+straight into that rank's receive region, and signals. Dense mode (when nearly every token goes to
+every rank, see `HtDispatcher`): slot = t, and all T rows go to every rank first (they need no
+numbering), the numbering beside them; by the copy engine (bf16: no SM busy with them, then the epoch
+into the peer's flag; ht_engine.py) or by the send kernel. On the receiver (host-synced mode, process
 group), a side stream waits for the first signal and, while the rows still travel, sorts the received
 (row, local expert) pairs by expert, with work proportional to the pairs received (not to the
-capacity C), and a copy stream takes the batch size to the host; the batch is a row index into the
+capacity C); the layout's first kernel writes the batch size through to pinned host memory, where the
+host polls for it (no copy, event or stream sync); the batch is a row index into the
 receive buffer (ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows
 through the index (experts that do not get a materialized copy, see Experts.reads_row_index). The
 stream waits for the rows' signals and the layout. (Emulated ranks and sync_free mode: no side
@@ -54,6 +55,8 @@ Shape letters: T tokens on this rank, D hidden size, K top-k, L local experts, R
 """
 from __future__ import annotations
 
+import ctypes
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,27 +80,22 @@ class HtLayout:
     weights_PK: torch.Tensor  # float32 [P, K]: their top-k weights
     rows_N: torch.Tensor  # int32 [R*C*K]: each batch row's row in recv_x viewed as [2 * R * C, D]
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
-    size_2: torch.Tensor  # int32 [2]: (row, slot) pairs received in all (the batch's valid rows), error flag
 
 
 @dataclass(frozen=True)
 class HtEarlySlot:
-    """Pinned memory and events for one dispatch's side-stream work (host-synced mode over a process
-    group). A dispatcher makes two and uses them in turn: a slot is recorded again two dispatches
-    later, after its dispatch's receive has read it."""
+    """Events of one dispatch's side-stream work (host-synced mode over a process group). A dispatcher
+    makes two and uses them in turn: a slot is recorded again two dispatches later, after its
+    dispatch's receive has waited for it."""
 
-    host_2: torch.Tensor  # pinned int32 [2]: HtLayout.size_2 of its dispatch
     numbered: torch.cuda.Event  # recorded after the numbering kernels (ids and weights sent), on the stream
     #   (copy-engine mode: on the side stream)
-    counted: torch.cuda.Event  # recorded on the side stream after the layout's first kernel (the size)
-    sized: torch.cuda.Event  # recorded on the copy stream after the copy to host_2
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
 
 
 @dataclass(frozen=True)
 class HtEarly:
-    """A dispatch's work queued while its rows travel: the layout (side stream), and the batch size on
-    its way to slot.host_2 (copy stream)."""
+    """A dispatch's layout, queued on the side stream while its rows travel."""
 
     slot: HtEarlySlot
     layout: HtLayout
@@ -109,6 +107,7 @@ class HtDispatchPending:
 
     slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
     epoch_1: torch.Tensor  # int32 [1]: the call's epoch
+    epoch: int | None  # the same on the host (None in sync_free mode, which does not read the batch size)
     early: HtEarly | None  # host-synced mode over a process group; else the receive makes the layout
     num_tokens: int
 
@@ -146,6 +145,10 @@ def copy_engine_pays(world_size: int, top_k: int) -> bool:
     return world_size > 1 and 1 - (1 - 1 / world_size) ** top_k >= COPY_ENGINE_MIN_SHARE
 
 
+# how often (seconds) the host's poll for the batch size checks that the layout is still to run
+SIZE_POLL_CHECK_S = 1e-3
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -171,6 +174,14 @@ class HtDispatcher(Dispatcher):
             (1 - (1 - 1/R)^K: R 2 with K >= 5, R 3 with K >= 8). True needs cfg.quant None and
             sync_free False (the host tracks the buffers' parity, which a graph replay would not:
             dispatch_send refuses to be captured in this mode).
+
+    Dense mode (attribute `dense`): every token's row goes to row t of every rank's receive region,
+    before the numbering (which then runs beside the rows' transfer): with the copy engine, or else
+    (fp8 rows, copy_engine=False) the send kernel, whenever not sync_free and a uniform routing sends
+    at least COPY_ENGINE_MIN_SHARE of the tokens to each rank (`copy_engine_pays`). Otherwise the rows
+    wait for the numbering and go only where they have an expert.
+
+    More options:
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
@@ -189,11 +200,11 @@ class HtDispatcher(Dispatcher):
     combined) per dispatcher (not checked: a third overwrites the first one's rows).
 
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
-    stream, the layout kernels (the first spins until every rank has numbered its pairs and sums the
-    batch size) and, on an internal copy stream, the copy of the batch size to the host;
-    dispatch_recv makes the calling stream wait for the layout. In copy-engine mode the calling stream
-    carries the rows' copies and the numbering and this rank's own rows go to the side stream too.
-    Call the phases from one stream. The
+    stream, the layout kernels (the first spins until every rank has numbered its pairs and writes the
+    batch size to pinned host memory); dispatch_recv polls for the size there and makes the calling
+    stream wait for the layout. In dense mode the calling stream
+    carries the rows (copies or the send kernel) and the numbering (and this rank's own rows, copied
+    on the SMs beside the copy engine's) go to the side stream too. Call the phases from one stream. The
     combine kernel's programs can all wait (spinning) for peers' partial rows: do not run the combines
     of two ht dispatchers at once on different streams of a GPU (each could hold every SM while
     waiting for the other's peers). The layout's count kernel also spins, one program per block of
@@ -245,6 +256,7 @@ class HtDispatcher(Dispatcher):
         # while the rows travel (HtEarly)
         self._early = not self.sync_free and not self._emulated
         self.copy_engine = self._wants_copy_engine(copy_engine)  # (checked before the collective allocation)
+        self.dense = not self.sync_free and (self.copy_engine or copy_engine_pays(self.world_size, cfg.top_k))
         specs = self._specs()
         if self._emulated:
             # Dispatchers of equal config, launch (which sizes the flags and counts the signals) and mode
@@ -261,14 +273,14 @@ class HtDispatcher(Dispatcher):
         self._dispatch_calls = 0
         if self._early:
             self._side = torch.cuda.Stream(self.device)
-            self._copy = torch.cuda.Stream(self.device)
-            self._early_slots = [HtEarlySlot(host_2=torch.empty(2, dtype=torch.int32, pin_memory=True),
-                                             numbered=torch.cuda.Event(), counted=torch.cuda.Event(),
-                                             sized=torch.cuda.Event(), laid_out=torch.cuda.Event())
+            self._early_slots = [HtEarlySlot(numbered=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
+        # the batch size of the dispatches of even and odd epochs, written by the layout's first kernel
+        # (`kernels.layout_count`; sync_free mode: word 0, never read); pinned on a GPU: the host polls it
+        self._sizes = torch.zeros(2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._engine = HtCopyEngine(self.ws, self._emulated) if self.copy_engine else None
-        if self._engine is not None and self._early:  # (_dispatch_send_by_engine)
-            self._inputs_ready, self._own_rows_copied = torch.cuda.Event(), torch.cuda.Event()
+        if self.dense and self._early:  # (_dispatch_send_rows_first)
+            self._inputs_ready, self._side_done = torch.cuda.Event(), torch.cuda.Event()
         # what a batch's row index points into: the receive rows of both parities, [2 * R * C, D] (and G)
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
@@ -381,44 +393,57 @@ class HtDispatcher(Dispatcher):
 
     def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
         calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
-        if self._engine is not None and self._early:
-            return self._dispatch_send_by_engine(x_TD, ids_TK, weights_TK, calls)
+        if self.dense and self._early:
+            return self._dispatch_send_rows_first(x_TD, ids_TK, weights_TK, calls)
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
-                                                self.capacity, L, self._peers, self.rank, dense=self.copy_engine)
+                                                self.capacity, L, self._peers, self.rank, dense=self.dense)
         self._dispatch_calls = calls
-        if self._engine is not None:  # emulated ranks (CPU tensors: the epoch is read without a sync)
-            epoch = int(epoch_1)
-            self._engine.send_rows(x_TD, epoch, None)
-            kernels.copy_rows(x_TD, self._engine.own_rows(epoch), self.launch)
-            return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=None, num_tokens=T)
+        # the host's epoch: emulated ranks read the device's (CPU tensors: no sync), a process group counts
+        epoch = None if self.sync_free else int(epoch_1) if self._emulated else calls
+        if self.dense:  # emulated ranks: the rows as a process group's rows-first dispatch sends them
+            self._send_dense_rows(x_TD, epoch, None)
+            if self._engine is not None:
+                kernels.copy_rows(x_TD, self._engine.own_rows(epoch), self.launch)
+            return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, epoch=epoch, early=None, num_tokens=T)
         slot = None
         if self._early:
             slot = self._early_slots[calls % 2]
             slot.numbered.record(torch.cuda.current_stream(self.device))
         kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
         # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
-        early = None if slot is None else self._start_early(slot, epoch_1)
-        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=early, num_tokens=T)
+        early = None if slot is None else self._start_early(slot, epoch_1, calls)
+        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, epoch=epoch, early=early, num_tokens=T)
 
-    def _dispatch_send_by_engine(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
-        """Copy-engine mode over a process group. The rows go first, by the copy engine on the stream
-        itself (row t to row t at every peer, then the epoch into each peer's flag): a copy on a stream
-        of its own, behind an event of this stream, started ~10 µs after the event's work on H200. The
-        side stream meanwhile numbers the pairs (the epoch: `calls`, the host's count, is the device's),
-        copies this rank's own rows on the SMs and makes the layout; the stream waits for the own rows
-        (x_TD is the caller's again after dispatch_send, in stream order).
+    def _send_dense_rows(self, x_TD, epoch: int, stream: torch.cuda.Stream | None) -> None:
+        """Dense mode: every row to row t of every rank's receive region of parity epoch % 2, and the
+        flags: by the copy engine (peers only: this rank's own rows are then copied apart) or by the
+        send kernel (every rank), on the current stream."""
+        if self._engine is not None:
+            self._engine.send_rows(x_TD, epoch, stream)
+        else:
+            kernels.dispatch_send_dense(x_TD, epoch, self._peers, self.rank, self.world_size, self.capacity, self.fp8,
+                                        self.launch)
 
-        The peers have this call's rows and flag before the numbering is queued: if queueing it fails,
+    def _dispatch_send_rows_first(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
+        """Dense mode over a process group. The rows go first, on the stream itself (row t to row t at
+        every rank, then the flags; `_send_dense_rows`): queued behind an event on a stream of its own,
+        a copy started ~10 µs after the event's work on H200. The side stream meanwhile numbers the pairs
+        (the epoch: `calls`, the host's count, is the device's), copies this rank's own rows on the SMs
+        (copy engine) and makes the layout; the stream waits for the numbering and own rows (so that
+        x_TD is the caller's again after dispatch_send, in stream order, and the wait for the rows reads
+        this call's epoch).
+
+        The peers have this call's rows and flags before the numbering is queued: if queueing it fails,
         the dispatcher is marked failed (the error flag of a wait that gave up) before the exception
         goes on, so that no later call mistakes those for a complete dispatch."""
         stream = torch.cuda.current_stream(self.device)
         self._inputs_ready.record(stream)
-        self._engine.send_rows(x_TD, calls, stream)
+        self._send_dense_rows(x_TD, calls, stream)
         self._side.wait_event(self._inputs_ready)
         slot = self._early_slots[calls % 2]
         try:
@@ -429,8 +454,9 @@ class HtDispatcher(Dispatcher):
                                                         self.rank, dense=True)
                 self._dispatch_calls = calls
                 slot.numbered.record(self._side)
-                kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
-                self._own_rows_copied.record(self._side)
+                if self._engine is not None:
+                    kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
+                self._side_done.record(self._side)
         except BaseException:
             self._wait.err_1.fill_(1)  # (on the stream: after the flags it poisons)
             raise
@@ -438,50 +464,65 @@ class HtDispatcher(Dispatcher):
             t.record_stream(self._side)
         for t in (slot_TR, epoch_1):  # made on the side stream, read on the stream (combine, the wait)
             t.record_stream(stream)
-        stream.wait_event(self._own_rows_copied)
-        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, early=self._start_early(slot, epoch_1),
-                                 num_tokens=x_TD.shape[0])
+        stream.wait_event(self._side_done)
+        return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, epoch=calls,
+                                 early=self._start_early(slot, epoch_1, calls), num_tokens=x_TD.shape[0])
 
-    def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor) -> HtEarly:
-        """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout, once
-        every rank's numbering has signalled (its counts, ids and weights are here), and, on a copy
-        stream once the layout's first kernel has summed it, the batch size to the host. The layout's
-        tensors are allocated on the side stream and read on the stream (after `laid_out`): when they
-        are freed, the side stream may reuse their memory at once, which is safe because all its later
-        work starts after an event a later dispatch records on the stream after everything queued there
-        before (`numbered`; copy-engine mode: `_inputs_ready`, which the side stream waits for). The
-        size (layout.size_2) is also read on the copy stream: record_stream keeps its memory until that
-        copy is done."""
+    def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor, epoch: int) -> HtEarly:
+        """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout (and size,
+        to the host), once every rank's numbering has signalled (its counts, ids and weights are here).
+        The layout's tensors are allocated on the side stream and read on the stream (after
+        `laid_out`): when they are freed, the side stream may reuse their memory at once, which is safe
+        because all its later work starts after an event a later dispatch records on the stream after
+        everything queued there before (`numbered`; dense mode: `_inputs_ready`, which the side
+        stream waits for)."""
         self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
-            layout = self._layout(epoch_1, counted=slot.counted)
+            layout = self._layout(epoch_1, epoch)
             slot.laid_out.record(self._side)
-        self._copy.wait_event(slot.counted)
-        with torch.cuda.stream(self._copy):
-            slot.host_2.copy_(layout.size_2, non_blocking=True)
-            slot.sized.record(self._copy)
         epoch_1.record_stream(self._side)
-        layout.size_2.record_stream(self._copy)
         return HtEarly(slot=slot, layout=layout)
 
-    def _layout(self, epoch_1: torch.Tensor, counted: torch.cuda.Event | None = None) -> HtLayout:
+    def _layout(self, epoch_1: torch.Tensor, epoch: int | None) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
-        (its first kernel waits on the device; `counted`, if given, is recorded after it on the side
-        stream, where the layout then runs). Work proportional to the pairs received: a count and a
-        place kernel over blocks of received rows, with a scan of the [B, L] table of per-block counts
-        between them (one program per few experts); no row is read."""
+        (its first kernel waits on the device, and writes the batch size into the host word of `epoch`,
+        `_batch_size`). Work proportional to the pairs received: a count and a place kernel over blocks
+        of received rows, with a scan of the [B, L] table of per-block counts between them (one program
+        per few experts); no row is read."""
         L = self.num_local_experts
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
-        table_BL, size_2 = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L,
-                                                 self.ws.local("meta_flag"), self.ws.local("pairs"), self._wait)
-        if counted is not None:
-            counted.record(self._side)
+        table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L, self.ws.local("meta_flag"),
+                                        self.ws.local("pairs"), self._size_word(epoch), self._wait)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
         return HtLayout(counts_L=counts_L, offsets_L1=offsets_L1, pos_PK=pos_PK, weights_PK=weights_PK,
-                        rows_N=rows_N, recv_counts_R=recv_counts_R, size_2=size_2)
+                        rows_N=rows_N, recv_counts_R=recv_counts_R)
+
+    def _size_word(self, epoch: int | None) -> torch.Tensor:
+        return self._sizes[(epoch or 0) % 2:][:1]
+
+    def _batch_size(self, pending: HtDispatchPending) -> int:
+        """The batch's valid rows (the layout's first kernel writes them to pinned host memory): the host
+        polls for the word of this dispatch's epoch. RuntimeError if a device-side wait of this rank gave
+        up (in this call's layout or any call before), or if the layout ran without writing it."""
+        word = ctypes.c_int64.from_address(self._size_word(pending.epoch).data_ptr())
+        done = None if pending.early is None else pending.early.slot.laid_out
+        if done is None and self.device.type == "cuda":  # emulated ranks on a GPU: the layout was just queued
+            torch.cuda.current_stream(self.device).synchronize()
+        checked = time.perf_counter()
+        while (n := kernels.batch_size(word.value, pending.epoch)) is None:
+            if done is None or time.perf_counter() - checked > SIZE_POLL_CHECK_S:
+                if (done is None or done.query()) and (n := kernels.batch_size(word.value, pending.epoch)) is None:
+                    raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} "
+                                       f"ended without writing the batch size")
+                checked = time.perf_counter()
+        if n < 0:
+            raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
+                               f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
+                               "not match); its results are garbage from then on: rebuild the dispatcher")
+        return n
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._dispatch_wait()
@@ -498,31 +539,18 @@ class HtDispatcher(Dispatcher):
         """The batch's layout, the stream waiting for it: started early on the side stream (process
         groups, host-synced mode), else made now."""
         if pending.early is None:
-            return self._layout(pending.epoch_1)
+            return self._layout(pending.epoch_1, pending.epoch)
         torch.cuda.current_stream(self.device).wait_event(pending.early.slot.laid_out)
         return pending.early.layout
 
     def _expert_batch(self, pending: HtDispatchPending, lay: HtLayout) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
-        copied. The host reads the batch size (unless sync_free): it arrived ahead of the rows, so the
-        host usually has it before the stream has the rows; the batch is built before the read. With it
-        comes the error flag: RuntimeError if a device-side wait of this rank gave up (in this call's
-        layout or any call before)."""
+        copied. The host reads the batch size (unless sync_free, `_batch_size`): it arrived ahead of the
+        rows, so the host usually has it before the stream has the rows."""
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
                           recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
-        if self.sync_free:
-            n = self.max_recv_rows
-        else:
-            if pending.early is None:  # emulated ranks: every rank's send has run by now
-                n, error = lay.size_2.tolist()
-            else:
-                pending.early.slot.sized.synchronize()  # host sync
-                n, error = pending.early.slot.host_2.tolist()
-            if error:
-                raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
-                                   f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
-                                   "not match); its results are garbage from then on: rebuild the dispatcher")
+        n = self.max_recv_rows if self.sync_free else self._batch_size(pending)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
                            row_index_N=lay.rows_N[:n])

@@ -87,8 +87,12 @@ class HtLaunch:
 
 
 def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
-    """Pure function of the row size and the device: one dispatch send program per SM on a GPU (peer
-    stores measured 338-356 GB/s per direction with 132 programs on H200, 297-328 with 66); four combine
+    """Pure function of the row size and the device: dispatch send programs on SEND_SM_SHARE of the SMs
+    on a GPU, one each (peer stores measured 338-356 GB/s per direction with 132 programs on H200,
+    297-328 with 66; the numbering and layout kernels run beside the send kernel, and with every SM
+    sending they finished late: 2 H200s, fp8 dense dispatch, ready at 4096 / 8192 tokens 128-131 / 225
+    us with 132 programs, 117-118 / 196 with 106, 114-115 / 212 with 92, scripts/ht_probe.py,
+    2026-11-30); four combine
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
@@ -98,12 +102,21 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=sms, num_warps=warps, combine_programs=4 * sms, combine_warps=4, **tiles)
+    return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=warps, combine_programs=4 * sms,
+                    combine_warps=4, **tiles)
+
+
+# share of the SMs that run a dispatch send program
+SEND_SM_SHARE = 0.8
 
 
 # combine: columns per gathered load, and elements (rows x columns) per program step and item
 COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
+
+
+# layout_count's size word: its low half when a wait gave up
+SIZE_FAILED = tl.constexpr(0xFFFFFFFF)
 
 
 @dataclass(frozen=True)
@@ -238,15 +251,19 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
         _signal(flag_peers, rank, R)
 
 
-@triton.jit
-def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_peers, flag_peers, T, rank,
+@triton.jit(do_not_specialize=["dense_parity"])
+def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_peers, flag_peers, T, rank, dense_parity,
                           R: tl.constexpr, C, D: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
-                          BLOCK_G: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr):
+                          BLOCK_G: tl.constexpr, ROWS: tl.constexpr, PROGRAMS: tl.constexpr, DENSE: tl.constexpr):
     """Each program takes ROWS tokens at a time (tokens pid*ROWS.., then + PROGRAMS*ROWS, ...), all
     loaded before any store; stores each row (fp8-quantized when FP8, with its scales) once into every
-    destination rank's receive region at the token's slot there; then one signal per peer."""
+    destination rank's receive region at the token's slot there (DENSE: every row to every rank, at
+    row t, in the region of parity dense_parity: no slots or epoch read); then one signal per peer."""
     pid = tl.program_id(0)
-    parity = tl.load(seq_ptr) % 2
+    if DENSE:
+        parity = dense_parity
+    else:
+        parity = tl.load(seq_ptr) % 2
     BLOCK: tl.constexpr = 128
     # a step as [ROWS, BLOCK_G, 128]: group g of a row holds columns [128 g, 128 g + 128)
     cols = tl.arange(0, BLOCK_G)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -266,8 +283,11 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
         else:
             row_out = row
         for r in tl.static_range(R):
-            slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
-            sent = slot >= 0
+            if DENSE:
+                slot = t
+            else:
+                slot = tl.load(slot_ptr + t64 * R + r, mask=tmask, other=-1)
+            sent = tmask & (slot >= 0)
             row_at = ((parity * R + rank) * C + tl.maximum(slot, 0)).to(tl.int64)
             dst = _peer(recv_x_peers, r, row_out.dtype) + row_at[:, None, None] * D + cols[None, :, :]
             tl.store(tl.multiple_of(dst, [1, 16, 16]), row_out, mask=xmask & sent[:, None, None])
@@ -469,22 +489,24 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs_ptr, n_ptr, err_ptr, timeout_ns,
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs_ptr, size_ptr, err_ptr, timeout_ns,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (r, b), once rank r's numbering of epoch seq[0] has signalled flag[r] (acquire, system
     scope: its counts, ids and weights are here): table[r * NB + b, l] = valid pairs of local expert l
     among rows [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none).
-    Program (0, 0) waits for every rank and writes n[0] = the (row, slot) pairs received in all and
-    n[1] = the error flag after its waits (non-zero: some wait of this rank gave up)."""
+    Program (0, 0) waits for every rank and writes size[0] = epoch << 32 | the (row, slot) pairs
+    received in all (SIZE_FAILED instead if some wait of this rank gave up), in one 8-byte store
+    that goes through to host memory (the host polls it there)."""
     epoch = tl.load(seq_ptr)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for src in tl.static_range(R):
             spin_until(flag_ptr + src, epoch, err_ptr, timeout_ns, INTERPRET)
         rr = tl.arange(0, BLOCK_R)
-        tl.store(n_ptr, tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0))
-        tl.store(n_ptr + 1, tl.load(err_ptr, volatile=True))
+        n = tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0).to(tl.int64)
+        low = tl.where(tl.load(err_ptr, volatile=True) != 0, SIZE_FAILED, n)
+        tl.store(size_ptr, epoch.to(tl.int64) * 4294967296 + low, cache_modifier=".wt")
     else:
         spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
@@ -601,12 +623,25 @@ def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor
     seq_1: int32 [1] this call's epoch (already incremented); peers: address tables (int64 [R]) of
     "recv_x", "recv_scale" (fp8), "dispatch_flag".
     """
+    _send(x_TD, slot_TR, seq_1, peers, rank, slot_TR.shape[1], capacity, fp8, launch, dense_parity=-1)
+
+
+def dispatch_send_dense(x_TD: torch.Tensor, epoch: int, peers: dict[str, torch.Tensor], rank: int, world_size: int,
+                        capacity: int, fp8: bool, launch: HtLaunch) -> None:
+    """dispatch_send with slot = t at every rank (number_pairs(dense=True)'s slots), needing neither the
+    slots nor the device epoch: so it can run before the numbering (or beside it). epoch: this call's
+    (the host's count, equal to the device's)."""
+    _send(x_TD, x_TD, x_TD, peers, rank, world_size, capacity, fp8, launch, dense_parity=epoch % 2)
+
+
+def _send(x_TD, slot_TR, seq_1, peers, rank, R, capacity, fp8, launch, dense_parity):
     T, D = x_TD.shape
     G = -(-D // FP8_BLOCK)
     _dispatch_send_kernel[(launch.programs,)](
         x_TD, slot_TR, seq_1, peers["recv_x"], peers["recv_scale"] if fp8 else peers["recv_x"],
-        peers["dispatch_flag"], T, rank, R=slot_TR.shape[1], C=capacity, D=D, G=G, FP8=fp8,
-        BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, num_warps=launch.num_warps)
+        peers["dispatch_flag"], T, rank, dense_parity, R=R, C=capacity, D=D, G=G, FP8=fp8,
+        BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=launch.programs, DENSE=dense_parity >= 0,
+        num_warps=launch.num_warps)
 
 
 def copy_rows(src_TD: torch.Tensor, dst_TD: torch.Tensor, launch: HtLaunch) -> None:
@@ -664,26 +699,35 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
-                 num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, wait: DeviceWait
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, size_1: torch.Tensor,
+                 wait: DeviceWait) -> torch.Tensor:
     """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
     epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
 
-    Returns table_BL int32 [B, L] and size_2 int32 [2]: the (row, slot) pairs received from all ranks
-    (the batch's valid rows), and wait.err_1 after the kernel's waits (so that one copy to the host
-    brings both). recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to
-    recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag"); pairs_2R: int32
-    [2, R] the pairs each rank sends here, per parity.
+    Returns table_BL int32 [B, L]. Writes size_1 int64 [1] (pinned host memory on a GPU, which the
+    kernel writes through to; read it with `batch_size`): the epoch and the (row, slot) pairs received
+    from all ranks (the batch's valid rows), or that a wait of this rank gave up. recv_ids: int32 [2, R,
+    C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r]; flag_R: int64 [R]
+    the numbering's signals ("meta_flag"); pairs_2R: int32 [2, R] the pairs each rank sends here, per
+    parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    size_2 = torch.empty(2, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, size_2, wait.err_1,
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, size_1, wait.err_1,
                                   wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
                                   BLOCK_K=blocks.block_k, BLOCK_L=triton.next_power_of_2(L),
                                   BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=4)
-    return table_BL, size_2
+    return table_BL
+
+
+def batch_size(size: int, epoch: int) -> int | None:
+    """The batch's valid rows from a value of `layout_count`'s size_1: None if it is not yet epoch's,
+    -1 if a wait of that layout's rank gave up."""
+    if size >> 32 != epoch:
+        return None
+    low = size & 0xFFFFFFFF
+    return -1 if low == SIZE_FAILED.value else low
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
