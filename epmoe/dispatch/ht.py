@@ -89,7 +89,7 @@ class HtEarlySlot:
     dispatch's receive has waited for it."""
 
     numbered: torch.cuda.Event  # recorded after the numbering kernels (ids and weights sent), on the stream
-    #   (copy-engine mode: on the side stream)
+    #   (dense mode: on the side stream)
     laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
 
 
