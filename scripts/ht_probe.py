@@ -23,16 +23,14 @@ from epmoe.bench.dispatch import NVLINK_ENV, random_inputs, time_dispatcher
 from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
-# (dispatch programs per SM (may be fractional: SMs left to the numbering and layout), dispatch warps, combine programs per SM, combine warps[, combine columns
+# (dispatch programs per SM (a fraction: SMs left to the numbering and layout), dispatch warps,
+# combine programs per SM, combine warps[, combine columns
 # per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
 def _rank(ctx, args):
-    import epmoe.dispatch.ht
     from epmoe.dispatch.ht import HtDispatcher
-    if args.sparse:  # every dispatcher in the numbering-first order
-        epmoe.dispatch.ht.copy_engine_pays = lambda world_size, top_k: False
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
@@ -46,8 +44,9 @@ def _rank(ctx, args):
         for dp, dw, cp, cw, *tiles in args.settings:
             combine = dict(zip(("combine_chunk", "combine_step", "combine_lag"), tiles))
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
-            d = HtDispatcher(cfg, ctx.group, copy_engine=False if args.send_kernel else None,
-                             launch=dataclasses.replace(default, programs=round(dp * sms), num_warps=dw,
+            d = HtDispatcher(cfg, ctx.group, dense=False if args.sparse else None,
+                             copy_engine=False if args.send_kernel or args.sparse else None,
+                             launch=dataclasses.replace(default, programs=int(dp * sms), num_warps=dw,
                                                         combine_programs=cp * sms, combine_warps=cw, **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)

@@ -37,8 +37,9 @@ def main() -> None:
                 dt = "fp8e4nv" if fp8 else "bf16"
                 check(f"dispatch_send D{D} {dt} dense {dense}", compile_hopper(
                     k._dispatch_send_kernel,
-                    dict(x_ptr="*bf16", slot_ptr="*i32", seq_ptr="*i32", recv_x_peers="*i64", recv_scale_peers="*i64",
-                         flag_peers="*i64", T="i32", rank="i32", dense_parity="i32", C="i32"),
+                    dict(x_ptr="*bf16", slot_ptr="*bf16" if dense else "*i32", seq_ptr="*bf16" if dense else "*i32",
+                         recv_x_peers="*i64", recv_scale_peers="*i64", flag_peers="*i64", T="i32", rank="i32",
+                         dense_parity="i32", C="i32"),
                     dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS,
                          DENSE=dense),
                     ["x_ptr", "slot_ptr"], warps, 1), failures, big)

@@ -312,7 +312,7 @@ def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
     """Dispatchers of both modes and one config on the same ranks keep their own flags (whose meaning
     differs) and epochs; a call whose numbering fails to launch leaves the host's count of calls (the
     copy engine's parity) where the device epoch is (emulated path; on GPUs the rows and their flag
-    have left by then, and the dispatcher marks itself failed: test_gpu_copy_engine_edges)."""
+    have left by then, and the dispatcher marks itself failed: test_gpu_dense_edges)."""
     from epmoe.kernels import ht
     cfg = _cfg(E=4, K=2, D=32, C=4)
     from epmoe.dispatch.ht import HtDispatcher
@@ -349,11 +349,12 @@ def test_dense_send_kernel_round_trip(R, E, quant):
         check_round_trip(cfg, dispatchers, inputs)
 
 
-def test_copy_engine_choice():
-    """None picks the copy engine only for a process group with bf16 rows, host-synced, and a routing that
-    sends nearly every token to every rank; True is refused where it cannot work."""
-    from epmoe.dispatch.ht import HtDispatcher, copy_engine_pays
-    assert [copy_engine_pays(R, K) for R, K in ((2, 8), (2, 5), (2, 4), (3, 8), (3, 7), (4, 8), (1, 8))] == \
+def test_dense_and_copy_engine_choice():
+    """dense=None picks dense mode for a host-synced dispatcher whose routing sends nearly every token to
+    every rank, copy_engine=None the copy engine in dense mode for a process group with bf16 rows; the
+    options say otherwise, and are refused where they cannot work."""
+    from epmoe.dispatch.ht import HtDispatcher, dense_pays
+    assert [dense_pays(R, K) for R, K in ((2, 8), (2, 5), (2, 4), (3, 8), (3, 7), (4, 8), (1, 8))] == \
         [True, True, False, True, False, False, False]
     groups = EmulatedGroup.world(2)
     assert not HtDispatcher(_cfg(K=8, E=8), groups[0], device=_EMU_DEVICE).copy_engine  # emulated: off
@@ -361,10 +362,39 @@ def test_copy_engine_choice():
                                                  sync_free=sync_free).dense
              for K in (4, 8) for sync_free in (False, True) for quant in (None, "fp8_block")}
     assert [key for key, on in dense.items() if on] == [(8, False, None), (8, False, "fp8_block")]
+    assert not HtDispatcher(_cfg(K=8, E=8), groups[0], device=_EMU_DEVICE, dense=False).dense
+    assert HtDispatcher(_cfg(K=2, E=8), groups[0], device=_EMU_DEVICE, dense=True).dense
+    forced = HtDispatcher(_cfg(K=2, E=8), groups[0], device=_EMU_DEVICE, copy_engine=True)  # implies dense
+    assert forced.dense and forced.copy_engine
     with pytest.raises(ValueError, match="fp8"):
         HtDispatcher(_cfg(D=128, quant="fp8_block"), groups[0], device=_EMU_DEVICE, copy_engine=True)
-    with pytest.raises(ValueError, match="sync_free"):
-        HtDispatcher(_cfg(), groups[0], device=_EMU_DEVICE, copy_engine=True, sync_free=True)
+    for options in (dict(copy_engine=True, sync_free=True), dict(copy_engine=True, dense=False)):
+        with pytest.raises(ValueError, match="copy_engine=True needs dense mode"):
+            HtDispatcher(_cfg(), groups[0], device=_EMU_DEVICE, **options)
+    with pytest.raises(ValueError, match="dense=True needs sync_free=False"):
+        HtDispatcher(_cfg(), groups[0], device=_EMU_DEVICE, dense=True, sync_free=True)
+
+
+def test_sparse_mode_at_top8():
+    """dense=False where dense mode would pay (K 8): the rows follow the numbering, only where they have an
+    expert; exact as in dense mode."""
+    cfg = _cfg(E=8, K=8, D=64, C=6)
+    dispatchers = make_world(cfg, 2, dense=False)
+    assert not any(d.dense for d in dispatchers)
+    check_round_trip(cfg, dispatchers, [exact_inputs(cfg, r, T, "holes", seed=95, device=_EMU_DEVICE)
+                                        for r, T in enumerate([6, 3])])
+
+
+def test_batch_size_word_of_another_epoch_raises():
+    """The host's read of the batch size takes only the word of its dispatch's epoch: a layout that ended
+    without writing it (here: the pending dispatch claims a later epoch) raises instead of spinning."""
+    import dataclasses
+    cfg = _cfg(E=4, K=2, D=32, C=4)
+    dispatchers = make_world(cfg, 2)
+    inputs = [exact_inputs(cfg, r, 3, "random", seed=7, device=_EMU_DEVICE) for r in range(2)]
+    pending = [d.dispatch_send(*inp) for d, inp in zip(dispatchers, inputs)]
+    with pytest.raises(RuntimeError, match="ended without writing the batch size"):
+        dispatchers[0].dispatch_recv(dataclasses.replace(pending[0], epoch=pending[0].epoch + 2))
 
 
 @pytest.mark.parametrize("R,Ts,lag,dtype", [
@@ -721,8 +751,9 @@ def test_gpu_exact(quant):
     assert all(spawn(_gpu_exact, gpu_test_ranks(), "cuda", (quant, 3), timeout_s=240))
 
 
-def _gpu_copy_engine_edges(ctx):
-    """Copy-engine mode over real ranks: (1) inputs made late on the stream (behind a 1 ms spin) and
+def _gpu_dense_edges(ctx, copy_engine):
+    """Dense mode over real ranks, rows by the copy engine or the send kernel: (1) inputs made late on
+    the stream (behind a 1 ms spin) and
     passed to _dispatch_send, which skips check_tokens' host sync, then x, ids and weights overwritten
     at once: the side stream's numbering and own-rows copy still read this call's inputs, the rows and
     sums are exact; (2) a numbering that fails to queue after the rows and their flag have left marks
@@ -734,7 +765,8 @@ def _gpu_copy_engine_edges(ctx):
     R = ctx.world_size
     E, K, D, T = multiple_of(8, R), 8, 256, 37
     cfg = _cfg(E=E, K=K, D=D, C=T)
-    d = HtDispatcher(cfg, ctx.group, copy_engine=True, wait_timeout_s=10.0)
+    d = HtDispatcher(cfg, ctx.group, copy_engine=copy_engine, wait_timeout_s=10.0)
+    assert d.dense and d.copy_engine == copy_engine
     for call in range(2):
         inputs = [exact_inputs(cfg, r, T, "random", seed=40 + call) for r in range(R)]
         staged = [t.to(ctx.device) for t in inputs[ctx.rank]]
@@ -767,9 +799,10 @@ def _gpu_copy_engine_edges(ctx):
 
 @needs_gpus
 @pytest.mark.gpu2
-def test_gpu_copy_engine_edges():
+@pytest.mark.parametrize("copy_engine", [True, False])
+def test_gpu_dense_edges(copy_engine):
     from epmoe.launch import spawn
-    assert all(spawn(_gpu_copy_engine_edges, gpu_test_ranks(), "cuda", (), timeout_s=240))
+    assert all(spawn(_gpu_dense_edges, gpu_test_ranks(), "cuda", (copy_engine,), timeout_s=240))
 
 
 def rows_by_expert(x: torch.Tensor, offsets_L1: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
     combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
     rows) and `ready`: the GPU's part (the transfer and the layout; the dispatch also includes the
-    host's read of the batch size, which arrives ahead of the rows, and building the batch: when the
+    host's read of the batch size, which travels ahead of or beside the rows, and building the batch: when the
     host is slow, the stream idles until then).
 
     Each call starts from a barrier over `group` (host and device idle on every rank), then a device

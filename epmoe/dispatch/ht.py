@@ -11,7 +11,7 @@ into the peer's flag; ht_engine.py) or by the send kernel. On the receiver (host
 group), a side stream waits for the first signal and, while the rows still travel, sorts the received
 (row, local expert) pairs by expert, with work proportional to the pairs received (not to the
 capacity C); the layout's first kernel writes the batch size through to pinned host memory, where the
-host polls for it (no copy, event or stream sync); the batch is a row index into the
+host polls for it (no copy or stream sync); the batch is a row index into the
 receive buffer (ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows
 through the index (experts that do not get a materialized copy, see Experts.reads_row_index). The
 stream waits for the rows' signals and the layout. (Emulated ranks and sync_free mode: no side
@@ -133,19 +133,20 @@ class HtCombinePending:
     local_args: tuple | None
 
 
-# copy_engine=None turns the copy engine on when a uniform routing sends at least this share of a rank's
-# tokens to each rank (the rest of its rows cross the link in vain)
-COPY_ENGINE_MIN_SHARE = 0.95
+# dense=None turns dense mode on when a uniform routing sends at least this share of a rank's tokens to
+# each rank (the rest of its rows cross the link in vain)
+DENSE_MIN_SHARE = 0.95
 
 
-def copy_engine_pays(world_size: int, top_k: int) -> bool:
-    """Whether a uniform routing of top_k distinct experts sends at least COPY_ENGINE_MIN_SHARE of a
-    rank's tokens to each other rank (1 - (1 - 1/R)^K), so that sending every row to every rank (the
-    copy-engine mode) wastes little of the link."""
-    return world_size > 1 and 1 - (1 - 1 / world_size) ** top_k >= COPY_ENGINE_MIN_SHARE
+def dense_pays(world_size: int, top_k: int) -> bool:
+    """Whether a uniform routing of top_k distinct experts sends at least DENSE_MIN_SHARE of a rank's
+    tokens to each other rank (1 - (1 - 1/R)^K), so that sending every row to every rank (dense mode)
+    wastes little of the link."""
+    return world_size > 1 and 1 - (1 - 1 / world_size) ** top_k >= DENSE_MIN_SHARE
 
 
-# how often (seconds) the host's poll for the batch size checks that the layout is still to run
+# how often (seconds) the host's poll for the batch size checks that the layout is still to run (and lets
+# other Python threads run)
 SIZE_POLL_CHECK_S = 1e-3
 
 
@@ -164,28 +165,26 @@ class HtDispatcher(Dispatcher):
             an EmulatedGroup.
         launch: the kernels' launch settings (epmoe.kernels.ht.HtLaunch), the same on every rank;
             default `ht_launch` for the row size and device. Fixed for the dispatcher's lifetime.
-        copy_engine: move the rows with the GPU's copy engine (a copy into each peer's receive region,
-            all T rows in token order, then the epoch into the peer's flag) instead of the send
-            kernel's SM stores: faster on the link (370 vs 350 GB/s per direction on 2 H200s), no SM
-            busy with the rows, and the rows leave before the numbering; but every token's row goes to
-            every rank, also where it has no expert (its partial row comes back too: zeros). None
-            (default): on when that costs little: a process group, bf16 rows, not sync_free, and a
-            uniform routing sends at least COPY_ENGINE_MIN_SHARE of the tokens to each rank
-            (1 - (1 - 1/R)^K: R 2 with K >= 5, R 3 with K >= 8). True needs cfg.quant None and
-            sync_free False (the host tracks the buffers' parity, which a graph replay would not:
-            dispatch_send refuses to be captured in this mode).
-
-    Dense mode (attribute `dense`): every token's row goes to row t of every rank's receive region,
-    before the numbering (which then runs beside the rows' transfer): with the copy engine, or else
-    (fp8 rows, copy_engine=False) the send kernel, whenever not sync_free and a uniform routing sends
-    at least COPY_ENGINE_MIN_SHARE of the tokens to each rank (`copy_engine_pays`). Otherwise the rows
-    wait for the numbering and go only where they have an expert.
-
-    More options:
+        dense: every token's row goes to row t of every rank's receive region, before the numbering
+            (which then runs beside the rows' transfer), also where the token has no expert (its
+            partial row comes back too: zeros); False: the rows follow the numbering and go only where
+            they have an expert. None (default): on when that costs little: not sync_free, and a
+            uniform routing sends at least DENSE_MIN_SHARE of the tokens to each rank (`dense_pays`,
+            1 - (1 - 1/R)^K: R 2 with K >= 5, R 3 with K >= 8). Needs sync_free False (the send takes
+            the receive buffers' parity from the host's count of calls). The attribute `dense` says
+            which mode a dispatcher is in.
+        copy_engine: in dense mode, move the rows with the GPU's copy engine (a copy into each peer's
+            receive region, all T rows in token order, then the epoch into the peer's flag) instead of
+            the send kernel's SM stores: faster on the link (370 vs 350 GB/s per direction on 2
+            H200s) and no SM busy with the rows. None (default): on in dense mode for a process group
+            and bf16 rows. True needs dense mode and cfg.quant None.
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
             (sync_free mode: check `timed_out()`). A hang guard only: no healthy call waits that long.
+
+    Host-synced mode (sync_free False) cannot be captured in a CUDA graph: the host reads each batch's
+    size, and tracks the epoch.
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
@@ -234,7 +233,7 @@ class HtDispatcher(Dispatcher):
 
     def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool = False,
                  device: torch.device | str | None = None, launch: kernels.HtLaunch | None = None,
-                 copy_engine: bool | None = None, wait_timeout_s: float = 60.0) -> None:
+                 dense: bool | None = None, copy_engine: bool | None = None, wait_timeout_s: float = 60.0) -> None:
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'ht': {reason}")
@@ -255,8 +254,9 @@ class HtDispatcher(Dispatcher):
         # host-synced mode over a process group: the batch size and layout are made on a side stream
         # while the rows travel (HtEarly)
         self._early = not self.sync_free and not self._emulated
-        self.copy_engine = self._wants_copy_engine(copy_engine)  # (checked before the collective allocation)
-        self.dense = not self.sync_free and (self.copy_engine or copy_engine_pays(self.world_size, cfg.top_k))
+        # (checked before the collective allocation)
+        self.dense = self._wants_dense(dense, copy_engine)
+        self.copy_engine = self._wants_copy_engine(copy_engine)
         specs = self._specs()
         if self._emulated:
             # Dispatchers of equal config, launch (which sizes the flags and counts the signals) and mode
@@ -268,16 +268,18 @@ class HtDispatcher(Dispatcher):
             self.ws = torch_workspace(specs, group, self.device)
         self._peers = {name: self.ws.peers(name) for name in self.ws.specs}  # address tables, per buffer
         self._wait = DeviceWait(err_1=self.ws.local("control")[2:], timeout_ns=int(wait_timeout_s * 1e9))
-        # dispatches whose numbering was queued: the device epoch counts them too (copy-engine mode takes
-        # the receive buffers' parity from it); picks the early slot
+        # dispatches whose numbering was queued: the device epoch counts them too (dense mode takes the
+        # receive buffers' parity from it, and the host polls for the batch size of that epoch); picks the
+        # early slot
         self._dispatch_calls = 0
         if self._early:
             self._side = torch.cuda.Stream(self.device)
             self._early_slots = [HtEarlySlot(numbered=torch.cuda.Event(), laid_out=torch.cuda.Event())
                                  for _ in range(2)]
         # the batch size of the dispatches of even and odd epochs, written by the layout's first kernel
-        # (`kernels.layout_count`; sync_free mode: word 0, never read); pinned on a GPU: the host polls it
-        self._sizes = torch.zeros(2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # (`kernels.layout_count`; sync_free mode: word 0, never read); pinned on a GPU: the host polls it.
+        # 16 bytes apart: Triton specializes pointers on 16-byte alignment (one build for both)
+        self._sizes = torch.zeros(2, 2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._engine = HtCopyEngine(self.ws, self._emulated) if self.copy_engine else None
         if self.dense and self._early:  # (_dispatch_send_rows_first)
             self._inputs_ready, self._side_done = torch.cuda.Event(), torch.cuda.Event()
@@ -285,16 +287,23 @@ class HtDispatcher(Dispatcher):
         self._recv_rows = self.ws.local("recv_x").view(-1, cfg.hidden_size)
         self._recv_row_scales = self.ws.local("recv_scale").view(-1, num_groups(cfg.hidden_size)) if self.fp8 else None
 
+    def _wants_dense(self, dense: bool | None, copy_engine: bool | None) -> bool:
+        if dense is None:
+            return not self.sync_free and (bool(copy_engine) or dense_pays(self.world_size, self.cfg.top_k))
+        if dense and self.sync_free:
+            raise ValueError("dense=True needs sync_free=False: the host tracks the receive buffers' parity, which "
+                             "a replayed CUDA graph would not advance")
+        return bool(dense)
+
     def _wants_copy_engine(self, copy_engine: bool | None) -> bool:
         if copy_engine is None:
-            return not (self.fp8 or self.sync_free or self._emulated) and copy_engine_pays(self.world_size,
-                                                                                         self.cfg.top_k)
+            return self.dense and not (self.fp8 or self._emulated)
         if copy_engine and self.fp8:
             raise ValueError("copy_engine=True moves the rows as they are: fp8 dispatch quantizes them in the send "
                              "kernel (use copy_engine=False or None)")
-        if copy_engine and self.sync_free:
-            raise ValueError("copy_engine=True needs sync_free=False: the host tracks the receive buffers' parity, "
-                             "which a replayed CUDA graph would not advance")
+        if copy_engine and not self.dense:
+            raise ValueError("copy_engine=True needs dense mode (all T rows to every rank), which dense=False or "
+                             "sync_free=True turns off")
         return bool(copy_engine)
 
     def _specs(self) -> list[BufferSpec]:
@@ -347,9 +356,10 @@ class HtDispatcher(Dispatcher):
         side stream's work (see Streams in the class docstring) may spin until every rank has sent.
         """
         if _capturing():
-            if self.copy_engine:
-                raise ValueError("copy-engine mode cannot be captured in a CUDA graph: the host tracks the receive "
-                                 "buffers' parity, which a replay would not advance (use sync_free=True)")
+            if not self.sync_free:
+                raise ValueError("a host-synced 'ht' dispatch cannot be captured in a CUDA graph: the host reads the "
+                                 "batch size and tracks the epoch, which a replay would not advance (use "
+                                 "sync_free=True)")
             self._check_shapes(x_TD, ids_TK, weights_TK)
         else:
             check_tokens(self.cfg, x_TD, ids_TK, weights_TK)  # host sync: id range
@@ -432,7 +442,7 @@ class HtDispatcher(Dispatcher):
     def _dispatch_send_rows_first(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
         """Dense mode over a process group. The rows go first, on the stream itself (row t to row t at
         every rank, then the flags; `_send_dense_rows`): queued behind an event on a stream of its own,
-        a copy started ~10 µs after the event's work on H200. The side stream meanwhile numbers the pairs
+        the copy engine's copy started ~10 µs after the event's work on H200. The side stream meanwhile numbers the pairs
         (the epoch: `calls`, the host's count, is the device's), copies this rank's own rows on the SMs
         (copy engine) and makes the layout; the stream waits for the numbering and own rows (so that
         x_TD is the caller's again after dispatch_send, in stream order, and the wait for the rows reads
@@ -501,7 +511,7 @@ class HtDispatcher(Dispatcher):
                         rows_N=rows_N, recv_counts_R=recv_counts_R)
 
     def _size_word(self, epoch: int | None) -> torch.Tensor:
-        return self._sizes[(epoch or 0) % 2:][:1]
+        return self._sizes[(epoch or 0) % 2, :1]
 
     def _batch_size(self, pending: HtDispatchPending) -> int:
         """The batch's valid rows (the layout's first kernel writes them to pinned host memory): the host
@@ -517,6 +527,7 @@ class HtDispatcher(Dispatcher):
                 if (done is None or done.query()) and (n := kernels.batch_size(word.value, pending.epoch)) is None:
                     raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} "
                                        f"ended without writing the batch size")
+                time.sleep(0)  # let other Python threads run
                 checked = time.perf_counter()
         if n < 0:
             raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
@@ -546,8 +557,8 @@ class HtDispatcher(Dispatcher):
     def _expert_batch(self, pending: HtDispatchPending, lay: HtLayout) -> ExpertBatch:
         """The received rows, sorted by local expert (source rank, slot, k within an expert), as a row
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
-        copied. The host reads the batch size (unless sync_free, `_batch_size`): it arrived ahead of the
-        rows, so the host usually has it before the stream has the rows."""
+        copied. The host reads the batch size (unless sync_free, `_batch_size`): it travels ahead of the
+        rows (dense mode: beside them), so the host usually has it before the stream has the rows."""
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
                           recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
         n = self.max_recv_rows if self.sync_free else self._batch_size(pending)

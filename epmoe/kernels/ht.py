@@ -92,7 +92,7 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     297-328 with 66; the numbering and layout kernels run beside the send kernel, and with every SM
     sending they finished late: 2 H200s, fp8 dense dispatch, ready at 4096 / 8192 tokens 128-131 / 225
     us with 132 programs, 117-118 / 196 with 106, 114-115 / 212 with 92, scripts/ht_probe.py,
-    2026-11-30); four combine
+    2026-11-30; the default's 105 gave 112 / 195-196 in `epmoe bench dispatch`); four combine
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
