@@ -1,10 +1,12 @@
 """Probe of the `ht` launch settings on 2 GPUs: programs and warps of the dispatch send and the combine
 kernels, the combine's tiles and lag, at one size (default T 4096, D 7168, K 8, E 256), bf16 and fp8 dispatch.
 
-    python3 scripts/ht_probe.py [--tokens 4096] [--iters 20] [--profile OUT_DIR]
+    python3 scripts/ht_probe.py [--tokens 4096] [--iters 20] [--size-timing] [--profile OUT_DIR]
 
 Prints, per setting, the median transfer / dispatch / combine time of each rank (epmoe.bench.dispatch
-timing). The winner goes into epmoe/kernels/ht.py `ht_launch`. With --profile, instead runs the default
+timing). The winner goes into epmoe/kernels/ht.py `ht_launch`. --size-timing: also when the host
+starts polling for the batch size and when it has it, against the layout being ready (is disp - ready
+the size arriving late, or the host?). With --profile, instead runs the default
 setting under torch.profiler and writes rank 0's kernel table and chrome trace per precision to OUT_DIR
 (where the time of a dispatch goes: kernels, host launches, host syncs), and a cProfile of the host's
 Python (*.host.txt: where the host's time to queue a call goes).
@@ -16,6 +18,7 @@ import cProfile
 import dataclasses
 import os
 import pstats
+import statistics
 
 import torch
 
@@ -29,8 +32,41 @@ from epmoe.launch import spawn
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
+class _SizeTiming:
+    """Wraps HtDispatcher._batch_size: per call, GPU-clock events of the layout being ready (on the calling
+    stream, which records `ready` just before the host reads the size), of the host starting its poll and
+    of the host having the size (both on an idle stream, so each completes when the GPU sees the record:
+    the host's moment plus the launch latency, a few µs)."""
+
+    def __init__(self, cls) -> None:
+        self.cls, self.original = cls, cls._batch_size
+        self.idle = torch.cuda.Stream()
+        self.calls = []
+        timing = self
+
+        def batch_size(dispatcher, pending):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record(torch.cuda.current_stream())
+            ev[1].record(timing.idle)
+            n = timing.original(dispatcher, pending)
+            ev[2].record(timing.idle)
+            timing.calls.append(ev)
+            return n
+        cls._batch_size = batch_size
+
+    def take(self) -> tuple[float, float]:
+        """Medians (µs) of the poll's start and of the size's arrival at the host, each minus ready (the
+        calls since the last take; negative: before the layout was ready)."""
+        torch.cuda.synchronize()
+        start = statistics.median(e[0].elapsed_time(e[1]) * 1e3 for e in self.calls)
+        seen = statistics.median(e[0].elapsed_time(e[2]) * 1e3 for e in self.calls)
+        self.calls = []
+        return start, seen
+
+
 def _rank(ctx, args):
     from epmoe.dispatch.ht import HtDispatcher
+    timing = _SizeTiming(HtDispatcher) if args.size_timing else None
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
@@ -50,6 +86,10 @@ def _rank(ctx, args):
                                                         combine_programs=cp * sms, combine_warps=cw, **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
+            if timing is not None:
+                poll, seen = timing.take()
+                print(f"rank {ctx.rank} {quant or 'bf16':>9} {dp}/SM: the host polls from {poll:+.0f} us and has "
+                      f"the size at {seen:+.0f} us of ready (GPU clock; + a launch latency)", flush=True)
             out.append(dict(quant=quant or "bf16", setting=(dp, dw, cp, cw, *tiles), **t))
             print(f"rank {ctx.rank} {quant or 'bf16':>9} dispatch {dp}/SM x {dw} warps, combine {cp}/SM x {cw} "
                   f"warps {tiles}: xfer {t['transfer']:.0f} us, ready {t['ready']:.0f} us, "
@@ -102,6 +142,8 @@ def main() -> None:
     p.add_argument("--send-kernel", action="store_true", help="bf16 rows by the send kernel, not the copy engine")
     p.add_argument("--sparse", action="store_true", help="rows only where they have an expert, after the numbering "
                    "(no dense mode)")
+    p.add_argument("--size-timing", action="store_true", help="also time when the host gets the batch size, "
+                   "against the layout being ready")
     p.add_argument("--profile", metavar="OUT_DIR", help="profile the default setting instead")
     args = p.parse_args()
     args.settings = [tuple(float(v) if "." in v else int(v) for v in item.split(",")) for item in args.settings.split(";")]
