@@ -9,7 +9,7 @@ signalling program (or once) per call and a receiver waits until a flag reaches 
 The sender numbers its (token, destination) pairs in two kernels (per-block counts, then the prefix
 over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
 counts and the tokens' ids and weights (signalled once, by its last program to finish); then the rows'
-kernel. So the receiver knows its batch size and lays the batch out while the
+kernel (dense mode: the rows' kernel first, `dispatch_send_dense`, the numbering beside it). So the receiver knows its batch size and lays the batch out while the
 rows travel. The layout (expert-sorted batch) costs work proportional to the (row, slot) pairs
 received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
 received rows (blocks past a source's count do nothing) and write each batch row's index into the
@@ -631,6 +631,7 @@ def dispatch_send_dense(x_TD: torch.Tensor, epoch: int, peers: dict[str, torch.T
     """dispatch_send with slot = t at every rank (number_pairs(dense=True)'s slots), needing neither the
     slots nor the device epoch: so it can run before the numbering (or beside it). epoch: this call's
     (the host's count, equal to the device's)."""
+    # (x_TD stands in for the slot and epoch pointers, which the DENSE kernel does not read)
     _send(x_TD, x_TD, x_TD, peers, rank, world_size, capacity, fp8, launch, dense_parity=epoch % 2)
 
 
