@@ -385,6 +385,34 @@ def test_sparse_mode_at_top8():
                                         for r, T in enumerate([6, 3])])
 
 
+def test_host_poll_for_the_batch_size():
+    """The host's poll (process groups): it returns the size once its epoch's word is written (here by
+    another thread, after the poll started), takes no word of another epoch, and gives up with None
+    once the layout's event has completed without the word."""
+    import ctypes
+    import threading
+
+    from epmoe.dispatch.ht import SIZE_POLL_CHECK_S, _poll_size
+
+    class Event:  # stands in for the layout's CUDA event
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+    buf = torch.full((1,), 5 << 32 | 9, dtype=torch.int64)  # epoch 5's word
+    word = ctypes.c_int64.from_address(buf.data_ptr())
+    laid_out = Event()
+    writer = threading.Timer(5 * SIZE_POLL_CHECK_S, lambda: buf.fill_(7 << 32 | 42))
+    writer.start()
+    assert _poll_size(word, 7, laid_out) == 42
+    writer.join()
+    laid_out.done = True
+    assert _poll_size(word, 9, laid_out) is None
+    buf.fill_(9 << 32 | 0xFFFFFFFF)  # a wait that gave up
+    assert _poll_size(word, 9, laid_out) == -1
+
+
 def test_batch_size_word_of_another_epoch_raises():
     """The host's read of the batch size takes only the word of its dispatch's epoch: a layout that ended
     without writing it (here: the pending dispatch claims a later epoch) raises instead of spinning."""

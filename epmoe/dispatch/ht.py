@@ -150,6 +150,20 @@ def dense_pays(world_size: int, top_k: int) -> bool:
 SIZE_POLL_CHECK_S = 1e-3
 
 
+def _poll_size(word: ctypes.c_int64, epoch: int, laid_out) -> int | None:
+    """Spin until the host word holds epoch's batch size (`kernels.batch_size`); every SIZE_POLL_CHECK_S
+    let other Python threads run and check `laid_out` (an event after the layout): once it has
+    completed, the word is final (None: the layout ended without writing it)."""
+    checked = time.perf_counter()
+    while (n := kernels.batch_size(word.value, epoch)) is None:
+        if time.perf_counter() - checked > SIZE_POLL_CHECK_S:
+            if laid_out.query():
+                return kernels.batch_size(word.value, epoch)
+            time.sleep(0)
+            checked = time.perf_counter()
+    return n
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -518,17 +532,15 @@ class HtDispatcher(Dispatcher):
         polls for the word of this dispatch's epoch. RuntimeError if a device-side wait of this rank gave
         up (in this call's layout or any call before), or if the layout ran without writing it."""
         word = ctypes.c_int64.from_address(self._size_word(pending.epoch).data_ptr())
-        done = None if pending.early is None else pending.early.slot.laid_out
-        if done is None and self.device.type == "cuda":  # emulated ranks on a GPU: the layout was just queued
-            torch.cuda.current_stream(self.device).synchronize()
-        checked = time.perf_counter()
-        while (n := kernels.batch_size(word.value, pending.epoch)) is None:
-            if done is None or time.perf_counter() - checked > SIZE_POLL_CHECK_S:
-                if (done is None or done.query()) and (n := kernels.batch_size(word.value, pending.epoch)) is None:
-                    raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} "
-                                       f"ended without writing the batch size")
-                time.sleep(0)  # let other Python threads run
-                checked = time.perf_counter()
+        if pending.early is None:  # emulated ranks: the layout has run (on a GPU, once the stream has)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            n = kernels.batch_size(word.value, pending.epoch)
+        else:
+            n = _poll_size(word, pending.epoch, pending.early.slot.laid_out)
+        if n is None:
+            raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} ended "
+                               f"without writing the batch size")
         if n < 0:
             raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
                                f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
