@@ -127,19 +127,21 @@ class _StartLine:
 
 def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> dict[str, float]:
     """Median times (us) over `iters` calls after `warmup`, alternating the input sets: dispatch and
-    combine; for `ht` also the transfer part of dispatch (numbering, send kernel, wait for all ranks'
-    rows) and `ready`: the GPU's part (the transfer and the layout; the dispatch also includes the
-    host's read of the batch size, which travels ahead of or beside the rows, and building the batch: when the
-    host is slow, the stream idles until then).
+    combine; for a host-synced `ht` dispatcher also `transfer`: until the device has every rank's rows
+    (the calling stream's wait; copy engine: the side stream's, queued behind the layout, which
+    usually ends first), and `ready`: until the calling stream has the rows and the layout (which
+    the side stream makes while the rows travel): the GPU's part (the dispatch also
+    includes the host's read of the batch size, which travels ahead of or beside the rows, and
+    building the batch: when the host is slow, the stream idles until then).
 
     Each call starts from a barrier over `group` (host and device idle on every rank), then a device
     spin (ALIGN_CYCLES) while the host queues the dispatch, and a device barrier (`_StartLine`), so
     that all ranks' dispatches start together on the GPUs and the time is the GPU's, not the host's
     launches. Without the spin the ranks can lock into a skewed phase in which one rank's dispatch and another's combine each absorb the other's lag (a
     queued all_reduce before each call did not prevent it: the hosts' launch times differ). Also
-    returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send and the
-    wait; the others: the whole dispatch call, sync included)."""
-    ht = hasattr(dispatcher, "_dispatch_wait")
+    returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send; the
+    others: the whole dispatch call, sync included)."""
+    ht = getattr(dispatcher, "_early", False)
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
         b = dispatcher._dispatch(x, ids, w)
@@ -158,9 +160,10 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         t0 = time.perf_counter()
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
-            dispatcher._dispatch_wait()
             host.append(time.perf_counter() - t0)
-            e1.record()
+            dispatcher._stream_waits_for_rows(pending)
+            # where the device waits for the rows: the stream, or the side stream (behind the layout)
+            e1.record(dispatcher._side if dispatcher._side_waits_for_rows else None)
             layout = dispatcher._layout_ready(pending)
             e5.record()
             b = dispatcher._expert_batch(pending, layout)
@@ -287,8 +290,9 @@ def main(argv: list[str]) -> None:
           f"the sizes and ids; capacity (max_tokens_per_rank) = T of each row")
     print(f"link = bytes to the other rank(s) / time (limit {NVLINK_GBPS:.0f} GB/s); DeepEP = all received rows "
           f"incl. local / time; x vs a2a = alltoall (bf16, NCCL) time / ht time, dispatch + combine; "
-          f"disp = xfer (numbering + send kernel + wait for every rank's rows) + layout (the rest: waiting for the "
-          f"expert-sorted row index, made on a side stream during the transfer, and the host's read of the size); "
+          f"xfer = until the device has every rank's rows (by copy engine: the side stream, behind the "
+          f"expert-sorted row index, made while the rows travel); ready = until the stream has the rows and the "
+          f"index; disp = ready + the host's read of the size and the batch's making, where the host is late; "
           f"host = the host's time to queue a dispatch (ht: up to its host sync; alltoall: the whole call)")
     print(_table(rows))
     print(f"wrote {out / 'bench_dispatch.json'}")

@@ -14,8 +14,10 @@ capacity C); the layout's first kernel writes the batch size through to pinned h
 host polls for it (no copy or stream sync); the batch is a row index into the
 receive buffer (ExpertBatch.row_index_N), so no row is copied again: the `triton` experts read rows
 through the index (experts that do not get a materialized copy, see Experts.reads_row_index). The
-stream waits for the rows' signals and the layout. (Emulated ranks and sync_free mode: no side
-stream, the receive phase makes the layout after the rows.)
+stream waits (on the device) for every rank's rows (copy engine: the side stream does, after the
+layout) and for the side stream.
+(Emulated ranks and sync_free mode: no side stream, the receive phase waits for the rows and then
+makes the layout.)
 Combine: one kernel whose programs take items by ticket. A remote item reduces rows received from a
 peer (their local results, fp32, top-k weights) into one row per (token, rank), stored into that peer's
 combine region, and stamps the item's ready flag there with the epoch. A local item, handed out about a
@@ -88,14 +90,15 @@ class HtEarlySlot:
     makes two and uses them in turn: a slot is recorded again two dispatches later, after its
     dispatch's receive has waited for it."""
 
-    numbered: torch.cuda.Event  # recorded after the numbering kernels (ids and weights sent), on the stream
-    #   (dense mode: on the side stream)
-    laid_out: torch.cuda.Event  # recorded on the side stream after the layout kernels
+    numbered: torch.cuda.Event  # recorded on the stream after the numbering kernels (ids and weights sent);
+    #   unused in dense mode, whose numbering runs on the side stream
+    ready: torch.cuda.Event  # recorded on the side stream after the layout kernels and the wait for every
+    #   rank's rows
 
 
 @dataclass(frozen=True)
 class HtEarly:
-    """A dispatch's layout, queued on the side stream while its rows travel."""
+    """A dispatch's layout and wait for its rows, queued on the side stream while the rows travel."""
 
     slot: HtEarlySlot
     layout: HtLayout
@@ -150,9 +153,9 @@ def dense_pays(world_size: int, top_k: int) -> bool:
 SIZE_POLL_CHECK_S = 1e-3
 
 
-def _poll_size(word: ctypes.c_int64, epoch: int, laid_out) -> int | None:
+def _poll_size(word: ctypes.c_int64, epoch: int, laid_out: torch.cuda.Event) -> int | None:
     """Spin until the host word holds epoch's batch size (`kernels.batch_size`); every SIZE_POLL_CHECK_S
-    let other Python threads run and check `laid_out` (an event after the layout): once it has
+    let other Python threads run and check `laid_out` (an event after the layout kernels): once it has
     completed, the word is final (None: the layout ended without writing it)."""
     checked = time.perf_counter()
     while (n := kernels.batch_size(word.value, epoch)) is None:
@@ -214,8 +217,9 @@ class HtDispatcher(Dispatcher):
 
     Streams (host-synced mode over a process group): dispatch_send also queues, on an internal side
     stream, the layout kernels (the first spins until every rank has numbered its pairs and writes the
-    batch size to pinned host memory); dispatch_recv polls for the size there and makes the calling
-    stream wait for the layout. In dense mode the calling stream
+    batch size to pinned host memory) and, with the copy engine, then the wait for every rank's rows
+    (one program spinning); dispatch_recv polls for the size there and makes the calling stream wait
+    for the rows and the side stream. In dense mode the calling stream
     carries the rows (copies or the send kernel) and the numbering (and this rank's own rows, copied
     on the SMs beside the copy engine's) go to the side stream too. Call the phases from one stream. The
     combine kernel's programs can all wait (spinning) for peers' partial rows: do not run the combines
@@ -288,7 +292,7 @@ class HtDispatcher(Dispatcher):
         self._dispatch_calls = 0
         if self._early:
             self._side = torch.cuda.Stream(self.device)
-            self._early_slots = [HtEarlySlot(numbered=torch.cuda.Event(), laid_out=torch.cuda.Event())
+            self._early_slots = [HtEarlySlot(numbered=torch.cuda.Event(), ready=torch.cuda.Event())
                                  for _ in range(2)]
         # the batch size of the dispatches of even and odd epochs, written by the layout's first kernel
         # (`kernels.layout_count`; sync_free mode: word 0, never read); pinned on a GPU: the host polls it.
@@ -440,7 +444,10 @@ class HtDispatcher(Dispatcher):
             slot.numbered.record(torch.cuda.current_stream(self.device))
         kernels.dispatch_send(x_TD, slot_TR, seq, self._peers, self.rank, self.capacity, self.fp8, self.launch)
         # the side stream's work is queued after the rows' kernel, so that its launches do not hold that back
-        early = None if slot is None else self._start_early(slot, epoch_1, calls)
+        early = None
+        if slot is not None:
+            self._side.wait_event(slot.numbered)
+            early = self._start_early(slot, epoch_1, calls)
         return HtDispatchPending(slot_TR=slot_TR, epoch_1=epoch_1, epoch=epoch, early=early, num_tokens=T)
 
     def _send_dense_rows(self, x_TD, epoch: int, stream: torch.cuda.Stream | None) -> None:
@@ -477,7 +484,6 @@ class HtDispatcher(Dispatcher):
                                                         self.capacity, self.num_local_experts, self._peers,
                                                         self.rank, dense=True)
                 self._dispatch_calls = calls
-                slot.numbered.record(self._side)
                 if self._engine is not None:
                     kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
                 self._side_done.record(self._side)
@@ -493,19 +499,32 @@ class HtDispatcher(Dispatcher):
                                  early=self._start_early(slot, epoch_1, calls), num_tokens=x_TD.shape[0])
 
     def _start_early(self, slot: HtEarlySlot, epoch_1: torch.Tensor, epoch: int) -> HtEarly:
-        """On the side stream, after `slot.numbered`, while the rows travel: the batch's layout (and size,
-        to the host), once every rank's numbering has signalled (its counts, ids and weights are here).
+        """On the side stream, after the numbering (queued there or waited for by the caller), while the
+        rows travel: the batch's layout (and size, to the host), once every rank's numbering has
+        signalled (its counts, ids and weights are here); with the copy engine then also the
+        device-side wait for the rows (`_side_waits_for_rows`); then `slot.ready`.
         The layout's tensors are allocated on the side stream and read on the stream (after
-        `laid_out`): when they are freed, the side stream may reuse their memory at once, which is safe
+        `ready`): when they are freed, the side stream may reuse their memory at once, which is safe
         because all its later work starts after an event a later dispatch records on the stream after
         everything queued there before (`numbered`; dense mode: `_inputs_ready`, which the side
         stream waits for)."""
-        self._side.wait_event(slot.numbered)
         with torch.cuda.stream(self._side):
             layout = self._layout(epoch_1, epoch)
-            slot.laid_out.record(self._side)
+            if self._side_waits_for_rows:
+                self._wait_for_rows()
+            slot.ready.record(self._side)
         epoch_1.record_stream(self._side)
         return HtEarly(slot=slot, layout=layout)
+
+    @property
+    def _side_waits_for_rows(self) -> bool:
+        """Whether the side stream, not the calling stream, waits for the rows: with the copy engine
+        (host-synced, process group), where a wait kernel queued on the stream behind the rows' copy
+        started a few µs after the copy on H200, while one on the side stream is spinning when the
+        flags land (2 H200s, 4096 tokens: ready 166-168 µs against 174). Behind the send kernel the
+        stream's wait starts as the kernel ends; a side-stream wait spinning beside it was later
+        there (fp8 ready 116 against 111-113, scripts/ht_probe.py, 2026-11-30)."""
+        return self._early and self.copy_engine
 
     def _layout(self, epoch_1: torch.Tensor, epoch: int | None) -> HtLayout:
         """The batch's expert-sorted layout, once every rank's counts and ids of epoch epoch_1 are here
@@ -537,7 +556,7 @@ class HtDispatcher(Dispatcher):
                 torch.cuda.current_stream(self.device).synchronize()
             n = kernels.batch_size(word.value, pending.epoch)
         else:
-            n = _poll_size(word, pending.epoch, pending.early.slot.laid_out)
+            n = _poll_size(word, pending.epoch, pending.early.slot.ready)
         if n is None:
             raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} ended "
                                f"without writing the batch size")
@@ -548,22 +567,28 @@ class HtDispatcher(Dispatcher):
         return n
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
-        self._dispatch_wait()
+        self._stream_waits_for_rows(pending)
         return self._expert_batch(pending, self._layout_ready(pending))
 
-    def _dispatch_wait(self) -> None:
-        """Block the stream until every rank's rows of the latest epoch are here."""
-        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the side stream, which
-        # dispatch_send made the stream wait for)
+    def _wait_for_rows(self) -> None:
+        """Block the current stream until every rank's rows of the latest epoch are here."""
+        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the SMs, on the side
+        # stream, before this wait in dense mode's stream order)
         programs, skip = (1, self.rank) if self.copy_engine else (self.launch.programs, -1)
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), programs, self._wait, skip)
 
+    def _stream_waits_for_rows(self, pending: HtDispatchPending) -> None:
+        """The calling stream's device-side wait for the rows, unless the side stream has it (then the
+        stream waits for the side stream, `_layout_ready`)."""
+        if pending.early is None or not self._side_waits_for_rows:
+            self._wait_for_rows()
+
     def _layout_ready(self, pending: HtDispatchPending) -> HtLayout:
         """The batch's layout, the stream waiting for it: started early on the side stream (process
-        groups, host-synced mode), else made now."""
+        groups, host-synced mode), else made now, on the stream."""
         if pending.early is None:
             return self._layout(pending.epoch_1, pending.epoch)
-        torch.cuda.current_stream(self.device).wait_event(pending.early.slot.laid_out)
+        torch.cuda.current_stream(self.device).wait_event(pending.early.slot.ready)
         return pending.early.layout
 
     def _expert_batch(self, pending: HtDispatchPending, lay: HtLayout) -> ExpertBatch:
