@@ -126,14 +126,17 @@ class FusedMoE(torch.nn.Module):
         Returns:
             out_TD: [T, D] in cfg.dtype.
         """
-        if logits_TE is not None:
-            if weights_TK is not None or ids_TK is not None:
-                raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
-            weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
-        elif weights_TK is None or ids_TK is None:
+        if logits_TE is not None and (weights_TK is not None or ids_TK is not None):
+            raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
+        if logits_TE is None and (weights_TK is None or ids_TK is None):
             raise ValueError("give logits_TE, or both weights_TK and ids_TK")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        # The shared experts first: their GPU work runs while the host routes and queues the dispatch (the
+        # host of a host-synced dispatch is behind the GPU there, which would idle meanwhile)
+        shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
+        if logits_TE is not None:
+            weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         # ids from the router are in range by construction: no host sync to check them
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK, check_range=logits_TE is None)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
@@ -145,6 +148,6 @@ class FusedMoE(torch.nn.Module):
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
         if self.cfg.routed_scaling_factor != 1.0:
             out_TD.mul_(self.cfg.routed_scaling_factor)
-        if self.shared_experts is not None:
-            out_TD += self.shared_experts(x_TD)
+        if shared_TD is not None:
+            out_TD += shared_TD
         return out_TD
