@@ -12,6 +12,9 @@ precision, t). The first candidate of each list is checked against gate_up_ref /
 (relative Frobenius error). A candidate that fails to compile is recorded and skipped. Results go to
 DIR/gemm_probe.json after every point. The fastest candidates went into epmoe/kernels/configs.json.
 
+--random-counts: the rows per expert drawn as a uniform routing draws them (t on average), so that
+each expert's last row tile is partly empty as in a real batch; --precs: the precisions to probe.
+
 Run: python3 scripts/gemm_probe.py --out DIR   (one CUDA GPU; ~2 minutes on an H200, mostly compiles)
      python3 scripts/gemm_probe.py --selftest   (CPU, TRITON_INTERPRET=1: every candidate at tiny shapes)
 """
@@ -54,8 +57,14 @@ def make_weights(n_exp: int, d: int, f: int, device) -> dict:
     return {"bf16": (w13, None, w2, None), "fp8": (q13, s13, q2, s2)}
 
 
-def contiguous_rows(n_exp: int, t: int, device) -> ExpertRows:
-    return ExpertRows.contiguous(torch.arange(0, (n_exp + 1) * t, t, dtype=torch.int32, device=device))
+def contiguous_rows(n_exp: int, t: int, device, random: bool = False) -> ExpertRows:
+    """t rows per expert, or (random) n_exp * t rows drawn uniformly over the experts, as a uniform
+    routing draws them (each expert's last row tile partly empty more often)."""
+    if not random:
+        return ExpertRows.contiguous(torch.arange(0, (n_exp + 1) * t, t, dtype=torch.int32, device=device))
+    g = torch.Generator(device=device).manual_seed(t)
+    counts = torch.bincount(torch.randint(0, n_exp, (n_exp * t,), device=device, generator=g), minlength=n_exp)
+    return ExpertRows.contiguous(torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32))
 
 
 def operands(op: str, prec: str, weights: dict, x_bf16: torch.Tensor, h_bf16: torch.Tensor):
@@ -118,6 +127,9 @@ def main() -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096], help="rows per expert")
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="start no candidate after this")
+    p.add_argument("--random-counts", action="store_true", help="rows per expert drawn as a uniform routing "
+                   "draws them (t on average), not exactly t")
+    p.add_argument("--precs", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
     p.add_argument("--selftest", action="store_true")
     args = p.parse_args()
     if args.selftest:
@@ -134,7 +146,7 @@ def main() -> None:
     x_all = torch.randn(L * t_max, D, dtype=torch.bfloat16, device=dev)
     h_all = torch.randn(L * t_max, F, dtype=torch.bfloat16, device=dev)
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
-              "D": D, "F": F, "L": L, "points": [], "errors": [], "checks": []}
+              "D": D, "F": F, "L": L, "random_counts": args.random_counts, "points": [], "errors": [], "checks": []}
 
     def save():
         result["seconds"] = time.perf_counter() - t_start
@@ -144,7 +156,8 @@ def main() -> None:
         return triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median")
 
     check_rows = contiguous_rows(L, 128, dev)  # the table's entry against the reference first
-    for op, prec in OPS:
+    ops = [(op, prec) for op, prec in OPS if prec in args.precs]
+    for op, prec in ops:
         a, a_s, w, w_s = operands(op, prec, weights, x_all[:L * 128], h_all[:L * 128])
         cfg = large_m_candidates(op, prec)[0]
         err = rel_err(op, *run(op, a, a_s, w, w_s, check_rows, cfg), a, a_s, w, w_s, check_rows)
@@ -153,10 +166,10 @@ def main() -> None:
     save()
 
     for t in args.tokens:
-        rows = contiguous_rows(L, t, dev)
+        rows = contiguous_rows(L, t, dev, args.random_counts)
         R = L * t
         offs = rows.index_L[1:].clone()
-        for op, prec in OPS:
+        for op, prec in ops:
             a, a_s, w, w_s = operands(op, prec, weights, x_all[:R], h_all[:R])
             K, N = a.shape[1], w.shape[1]  # gate-up: N = both halves (2F), the GEMM's true columns
             flops = 2.0 * R * N * K

@@ -1,12 +1,15 @@
 """Does a bf16 gate-up GEMM read its rows through a row index (`ht`'s batch: pointer loads, no TMA for
 A) faster than a copy of the rows into batch order (`ExpertBatch.materialize`, index_select) followed
 by the GEMM on the copy (TMA tile loads where the launch config has them)? One GPU, DeepSeek-V3 expert
-shapes (D 7168, F 2048), L 128 experts with t rows each, gathered from S = N / 2 source rows (each
-source row in two experts, as ht's receive buffer holds one row per (token, rank) at R 2, K 8).
+shapes (D 7168, F 2048), L 128 experts with t rows each on average, gathered from S = N / 2 source rows
+(each source row in two experts, as ht's receive buffer holds one row per (token, rank) at R 2, K 8).
+Sources: ordinary memory, or symmetric memory as ht's receive buffer is (epmoe.symm.torch_workspace
+over a 1-rank process group); rows per expert: exactly t, or drawn as uniform random routing draws them
+(multinomial; partial row tiles at each expert's end).
 
-    python3 scripts/row_index_probe.py [--rows-per-expert 128 256 512 1024]
+    python3 scripts/row_index_probe.py [--rows-per-expert 256 1024]
 
-Prints per t: gate-up through the index, the copy, gate-up on the copy, their sum, and the down GEMM
+Prints per case: gate-up through the index, the copy, gate-up on the copy, their sum, and the down GEMM
 (the same in both), µs (CUDA events, median of 10 after 3 warm-ups).
 """
 from __future__ import annotations
@@ -15,8 +18,10 @@ import argparse
 import statistics
 
 import torch
+import torch.distributed as dist
 
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
+from epmoe.launch import free_port
 
 D, F, L = 7168, 2048, 128
 
@@ -35,35 +40,62 @@ def _time_us(fn, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def _source(S: int, symmetric: bool, dev: torch.device, keep: list) -> torch.Tensor:
+    if not symmetric:
+        return torch.empty(S, D, device=dev, dtype=torch.bfloat16)
+    from epmoe.symm import BufferSpec, torch_workspace
+    ws = torch_workspace([BufferSpec("x", (S, D), torch.bfloat16)], dist.group.WORLD, dev)
+    keep.append(ws)
+    return ws.local("x")
+
+
+def _offsets(L: int, t: int, random: bool, g: torch.Generator, dev: torch.device) -> torch.Tensor:
+    if random:
+        counts = torch.bincount(torch.randint(0, L, (L * t,), device=dev, generator=g), minlength=L)
+    else:
+        counts = torch.full((L,), t, device=dev)
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows-per-expert", type=int, nargs="+", default=[128, 256, 512, 1024])
+    p.add_argument("--rows-per-expert", type=int, nargs="+", default=[256, 1024])
     args = p.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = torch.randn(L, 2 * F, D, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(L, D, F, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
-    print(f"{'t':>5} {'N':>7} {'gate-up idx':>12} {'copy':>8} {'gate-up copy':>13} {'copy + gate-up':>15} "
-          f"{'down':>8}   (µs)")
+    keep = []
+    print(f"{'t':>5} {'source':>9} {'counts':>7} {'gate-up idx':>12} {'copy':>8} {'gate-up copy':>13} "
+          f"{'copy + gate-up':>15} {'down':>8}   (µs)")
     for t in args.rows_per_expert:
         N = L * t
         S = N // 2
-        x_SD = torch.randn(S, D, device=dev, generator=g, dtype=torch.bfloat16)
-        # each expert's rows ascend in the source buffer, as ht's layout orders them (source rank, slot)
-        rows_N = torch.cat([torch.randperm(S, device=dev, generator=g)[:t].sort().values for _ in range(L)])
-        rows_N = rows_N.to(torch.int32)
-        rows = ExpertRows.contiguous(torch.arange(0, N + 1, t, device=dev, dtype=torch.int32))
-        idx_us = _time_us(lambda: gate_up(x_SD, w13, rows, x_rows_R=rows_N))
-        copy_us = _time_us(lambda: x_SD.index_select(0, rows_N.long()))
-        x_ND = x_SD.index_select(0, rows_N.long())
-        dense_us = _time_us(lambda: gate_up(x_ND, w13, rows))
-        h, _ = gate_up(x_ND, w13, rows)
-        h_idx, _ = gate_up(x_SD, w13, rows, x_rows_R=rows_N)
-        if not torch.equal(h, h_idx):
-            raise SystemExit(f"t {t}: gate-up through the index differs from gate-up on the copy")
-        down_us = _time_us(lambda: down(h, w2, rows, out_dtype=torch.bfloat16))
-        print(f"{t:5d} {N:7d} {idx_us:12.0f} {copy_us:8.0f} {dense_us:13.0f} {copy_us + dense_us:15.0f} "
-              f"{down_us:8.0f}", flush=True)
+        for symmetric in (False, True):
+            x_SD = _source(S, symmetric, dev, keep)
+            x_SD.copy_(torch.randn(S, D, device=dev, generator=g, dtype=torch.bfloat16))
+            for random in (False, True):
+                offsets = _offsets(L, t, random, g, dev)
+                counts = offsets.diff().tolist()
+                # each expert's rows ascend in the source buffer, as ht's layout orders them (source rank, slot)
+                rows_N = torch.cat([torch.randperm(S, device=dev, generator=g)[:n].sort().values for n in counts])
+                rows_N = rows_N.to(torch.int32)
+                rows = ExpertRows.contiguous(offsets)
+                idx_us = _time_us(lambda: gate_up(x_SD, w13, rows, x_rows_R=rows_N, rows_hint=t))
+                copy_us = _time_us(lambda: x_SD.index_select(0, rows_N.long()))
+                x_ND = x_SD.index_select(0, rows_N.long())
+                dense_us = _time_us(lambda: gate_up(x_ND, w13, rows, rows_hint=t))
+                h, _ = gate_up(x_ND, w13, rows, rows_hint=t)
+                h_idx, _ = gate_up(x_SD, w13, rows, x_rows_R=rows_N, rows_hint=t)
+                if not torch.equal(h, h_idx):
+                    raise SystemExit(f"t {t}: gate-up through the index differs from gate-up on the copy")
+                down_us = _time_us(lambda: down(h, w2, rows, out_dtype=torch.bfloat16, rows_hint=t))
+                print(f"{t:5d} {'symmetric' if symmetric else 'plain':>9} {'random' if random else 'exact':>7} "
+                      f"{idx_us:12.0f} {copy_us:8.0f} {dense_us:13.0f} {copy_us + dense_us:15.0f} {down_us:8.0f}",
+                      flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
