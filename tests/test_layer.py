@@ -69,6 +69,24 @@ def test_fused_moe_refuses_bad_input():
         moe(x.to("meta"), logits)
 
 
+def test_fused_moe_checks_its_arguments_before_the_shared_experts_run():
+    """forward runs the shared experts first (their GPU work overlaps the host's routing and dispatch):
+    an argument error is raised before they are called, and they run once per call."""
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    moe = build_layer(cfg, make_weights(cfg, 0, "cpu"), None, "local", "reference", "cpu")
+    calls = []
+    moe.shared_experts.register_forward_hook(lambda module, inputs, out: calls.append(inputs[0].shape))
+    x, logits = torch.randn(3, 8), torch.randn(3, 4)
+    w, ids = epmoe.route(logits, cfg)
+    for args, kwargs in [((x, logits), {"weights_TK": w, "ids_TK": ids}), ((x,), {"weights_TK": w}),
+                         ((x.to("meta"), logits), {})]:
+        with pytest.raises(ValueError):
+            moe(*args, **kwargs)
+    assert calls == []
+    moe(x, logits)
+    assert calls == [x.shape]
+
+
 def test_fused_moe_reads_ids_on_the_host_only_when_the_caller_gives_them(monkeypatch):
     """The range check of ids_TK (a host sync) runs for caller-given ids, not for the router's own,
     which are in range by construction."""
