@@ -91,9 +91,11 @@ class FusedMoE(torch.nn.Module):
         lo, hi = self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
         self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
 
-    def _num_chunks(self, T: int, device: torch.device) -> int:
-        """Chunks of at most max_tokens_per_rank, agreed by all ranks (an all-reduce and host sync when R > 1
-        and the dispatcher syncs the host anyway)."""
+    def _start_chunk_count(self, T: int, device: torch.device) -> int | torch.Tensor:
+        """Chunks of at most max_tokens_per_rank, agreed by all ranks: an int, or (R > 1 and a dispatcher
+        that syncs the host anyway) a device tensor whose all-reduce is queued now, on a GPU on a
+        stream of its own, and read by `_chunk_count` once the host has queued the shared experts and
+        the routing (which hides the all-reduce's round trip)."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
             return chunks
@@ -108,9 +110,16 @@ class FusedMoE(torch.nn.Module):
         if device.type == "cuda" and self._chunks_stream is None:
             self._chunks_stream = torch.cuda.Stream(device)
         with torch.cuda.stream(self._chunks_stream) if device.type == "cuda" else nullcontext():
-            n = torch.tensor([chunks], dtype=torch.int64, device=device)
+            n = torch.full((1,), chunks, dtype=torch.int64, device=device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-            return int(n.item())  # host sync (on a GPU, with the chunks stream only)
+        return n
+
+    def _chunk_count(self, count: int | torch.Tensor) -> int:
+        """The agreed chunk count of `_start_chunk_count` (a host sync, on a GPU with its stream only)."""
+        if isinstance(count, int):
+            return count
+        with torch.cuda.stream(self._chunks_stream) if count.is_cuda else nullcontext():
+            return int(count.item())
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,
@@ -132,6 +141,7 @@ class FusedMoE(torch.nn.Module):
             raise ValueError("give logits_TE, or both weights_TK and ids_TK")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        count = self._start_chunk_count(x_TD.shape[0], x_TD.device)
         # The shared experts first: their GPU work runs while the host routes and queues the dispatch (the
         # host of a host-synced dispatch is behind the GPU there, which would idle meanwhile)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
@@ -140,7 +150,7 @@ class FusedMoE(torch.nn.Module):
         # ids from the router are in range by construction: no host sync to check them
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK, check_range=logits_TE is None)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
-        chunks = self._num_chunks(T, x_TD.device)
+        chunks = self._chunk_count(count)
         out_TD = torch.empty_like(x_TD)
         for c in range(chunks):
             lo, hi = min(c * step, T), min((c + 1) * step, T)
