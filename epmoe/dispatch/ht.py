@@ -298,6 +298,10 @@ class HtDispatcher(Dispatcher):
         # (`kernels.layout_count`; sync_free mode: word 0, never read); pinned on a GPU: the host polls it.
         # 16 bytes apart: Triton specializes pointers on 16-byte alignment (one build for both)
         self._sizes = torch.zeros(2, 2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # each parity's word as the layout kernel's output and as the host reads it (made once: a torch
+        # view costs the host several µs per call, and the host paces a layer's dispatch)
+        self._size_words = [self._sizes[p, :1] for p in range(2)]
+        self._size_values = [ctypes.c_int64.from_address(w.data_ptr()) for w in self._size_words]
         self._engine = HtCopyEngine(self.ws, self._emulated) if self.copy_engine else None
         if self.dense and self._early:  # (_dispatch_send_rows_first)
             self._inputs_ready, self._side_done = torch.cuda.Event(), torch.cuda.Event()
@@ -544,13 +548,13 @@ class HtDispatcher(Dispatcher):
                         rows_N=rows_N, recv_counts_R=recv_counts_R)
 
     def _size_word(self, epoch: int | None) -> torch.Tensor:
-        return self._sizes[(epoch or 0) % 2, :1]
+        return self._size_words[(epoch or 0) % 2]
 
     def _batch_size(self, pending: HtDispatchPending) -> int:
         """The batch's valid rows (the layout's first kernel writes them to pinned host memory): the host
         polls for the word of this dispatch's epoch. RuntimeError if a device-side wait of this rank gave
         up (in this call's layout or any call before), or if the layout ran without writing it."""
-        word = ctypes.c_int64.from_address(self._size_word(pending.epoch).data_ptr())
+        word = self._size_values[(pending.epoch or 0) % 2]
         if pending.early is None:  # emulated ranks: the layout has run (on a GPU, once the stream has)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
