@@ -95,6 +95,15 @@ class ExpertBatch:
                        x_scale=None if self.x_scale is None else self.x_scale.index_select(0, rows))
 
 
+def check_x(cfg: MoEConfig, x_TD: torch.Tensor) -> None:
+    """ValueError unless x_TD is [T, D] in cfg.dtype."""
+    D = cfg.hidden_size
+    if x_TD.dim() != 2 or x_TD.shape[1] != D:
+        raise ValueError(f"x_TD must be [T, D={D}], got {tuple(x_TD.shape)}")
+    if x_TD.dtype != cfg.dtype:
+        raise ValueError(f"x_TD dtype {x_TD.dtype} does not match cfg.dtype {cfg.dtype}")
+
+
 def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                  check_range: bool = True) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
@@ -103,11 +112,8 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     (ids that are in range by construction, such as epmoe.routing.route's) or a CUDA graph is being
     captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
     """
-    D, K, E = cfg.hidden_size, cfg.top_k, cfg.num_experts
-    if x_TD.dim() != 2 or x_TD.shape[1] != D:
-        raise ValueError(f"x_TD must be [T, D={D}], got {tuple(x_TD.shape)}")
-    if x_TD.dtype != cfg.dtype:
-        raise ValueError(f"x_TD dtype {x_TD.dtype} does not match cfg.dtype {cfg.dtype}")
+    K, E = cfg.top_k, cfg.num_experts
+    check_x(cfg, x_TD)
     T = x_TD.shape[0]
     if ids_TK.shape != (T, K):
         raise ValueError(f"ids_TK must be [T={T}, K={K}], got {tuple(ids_TK.shape)}")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
-from .interfaces import check_pairing, check_tokens
+from .interfaces import check_pairing, check_tokens, check_x
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import route
 from .symm import group_rank_world
@@ -91,35 +91,56 @@ class FusedMoE(torch.nn.Module):
         lo, hi = self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
         self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
 
-    def _start_chunk_count(self, T: int, device: torch.device) -> int | torch.Tensor:
-        """Chunks of at most max_tokens_per_rank, agreed by all ranks: an int, or (R > 1 and a dispatcher
-        that syncs the host anyway) a device tensor whose all-reduce is queued now, on a GPU on a
-        stream of its own, and read by `_chunk_count` once the host has queued the shared experts and
-        the routing (which hides the all-reduce's round trip)."""
+    def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[], int]:
+        """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader. With R > 1 and a
+        dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of its
+        own), which the reader waits for (a host sync): called after the host has queued the shared
+        experts and the routing, it finds the all-reduce's round trip over."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
-            return chunks
+            return lambda: chunks
         if not self.dispatcher.needs_host_sync:
             if T > self.cfg.max_tokens_per_rank:
                 raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
                                  f"{self.cfg.max_tokens_per_rank} tokens per call, got {T}")
-            return 1
+            return lambda: 1
         # The count depends on T alone, known here: on a GPU the all-reduce runs on a stream of its own, so
         # that its read waits for the other ranks' hosts to get here, not for the work queued on the stream
         # (the host keeps queueing ahead of the GPU).
         if device.type == "cuda" and self._chunks_stream is None:
             self._chunks_stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(self._chunks_stream) if device.type == "cuda" else nullcontext():
+        stream = self._chunks_stream if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
             n = torch.full((1,), chunks, dtype=torch.int64, device=device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-        return n
 
-    def _chunk_count(self, count: int | torch.Tensor) -> int:
-        """The agreed chunk count of `_start_chunk_count` (a host sync, on a GPU with its stream only)."""
-        if isinstance(count, int):
-            return count
-        with torch.cuda.stream(self._chunks_stream) if count.is_cuda else nullcontext():
-            return int(count.item())
+        def read() -> int:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return int(n.item())
+        return read
+
+    def _check_inputs(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None, weights_TK: torch.Tensor | None,
+                      ids_TK: torch.Tensor | None, correction_bias_E: torch.Tensor | None) -> None:
+        """Every check of forward's arguments, before anything is queued or sent: a rank that raised after
+        the chunk count's all-reduce would be a collective ahead of its peers. Caller-given ids: their
+        range is read on the host (a sync, here before the shared experts' work is queued); the
+        router's are in range by construction."""
+        if logits_TE is not None and (weights_TK is not None or ids_TK is not None):
+            raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
+        if logits_TE is None and (weights_TK is None or ids_TK is None):
+            raise ValueError("give logits_TE, or both weights_TK and ids_TK")
+        if x_TD.device != self.device:
+            raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        if logits_TE is None:
+            check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+            return
+        check_x(self.cfg, x_TD)
+        E = self.cfg.num_experts
+        if logits_TE.shape != (x_TD.shape[0], E) or not logits_TE.is_floating_point():
+            raise ValueError(f"logits_TE must be float [T={x_TD.shape[0]}, E={E}], got {logits_TE.dtype} "
+                             f"{tuple(logits_TE.shape)}")
+        if correction_bias_E is not None and correction_bias_E.shape != (E,):
+            raise ValueError(f"correction_bias_E must be [E={E}], got {tuple(correction_bias_E.shape)}")
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,
@@ -135,24 +156,16 @@ class FusedMoE(torch.nn.Module):
         Returns:
             out_TD: [T, D] in cfg.dtype.
         """
-        if logits_TE is not None and (weights_TK is not None or ids_TK is not None):
-            raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
-        if logits_TE is None and (weights_TK is None or ids_TK is None):
-            raise ValueError("give logits_TE, or both weights_TK and ids_TK")
-        if x_TD.device != self.device:
-            raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
-        count = self._start_chunk_count(x_TD.shape[0], x_TD.device)
+        self._check_inputs(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
+        chunks = self._start_chunk_count(x_TD.shape[0], x_TD.device)
         # The shared experts first: their GPU work runs while the host routes and queues the dispatch (the
-        # host of a host-synced dispatch is behind the GPU there, which would idle meanwhile)
+        # host of a host-synced dispatch can be behind the GPU there, which would idle meanwhile)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
-        # ids from the router are in range by construction: no host sync to check them
-        check_tokens(self.cfg, x_TD, ids_TK, weights_TK, check_range=logits_TE is None)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
-        chunks = self._chunk_count(count)
         out_TD = torch.empty_like(x_TD)
-        for c in range(chunks):
+        for c in range(chunks()):
             lo, hi = min(c * step, T), min((c + 1) * step, T)
             batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from epmoe.bench.dispatch import NVLINK_ENV
 from epmoe.launch import spawn
+from epmoe.layer import FusedMoE
 from epmoe.testing import GPU_SPEC, build_layer, rank_inputs
 
 GAP_US = 5.0
@@ -44,7 +45,8 @@ def _timeline(prof) -> list[str]:
     return lines
 
 
-def _profile_layer(ctx, args, inputs, name: str) -> None:
+def _profile_layer(ctx, args, inputs, name: str) -> FusedMoE:
+    """Profile args.calls calls of `name`'s layer (after 3 warm-ups); rank 0 prints and writes them."""
     cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     moe = build_layer(cfg, weights, ctx.group, name, args.experts, ctx.device)
 
@@ -65,13 +67,15 @@ def _profile_layer(ctx, args, inputs, name: str) -> None:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
         print(f"=== {name} ({moe.experts.name} experts), {args.calls} calls\n{table}", flush=True)
         print("\n".join(_timeline(prof)), flush=True)
+    return moe
 
 
 def _rank(ctx, args):
     inputs = rank_inputs(GPU_SPEC, ctx.rank, ctx.world_size, ctx.device)
-    for name in args.dispatchers:
-        _profile_layer(ctx, args, inputs, name)
-        torch.cuda.empty_cache()
+    # every layer (and its dispatcher's symmetric workspace) stays allocated to the end: no
+    # symmetric-memory frees between dispatchers
+    layers = [_profile_layer(ctx, args, inputs, name) for name in args.dispatchers]
+    return [moe.dispatcher.name for moe in layers]
 
 
 def main() -> None:

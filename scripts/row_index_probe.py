@@ -2,7 +2,7 @@
 A) faster than a copy of the rows into batch order (`ExpertBatch.materialize`, index_select) followed
 by the GEMM on the copy (TMA tile loads where the launch config has them)? One GPU, DeepSeek-V3 expert
 shapes (D 7168, F 2048), L 128 experts with t rows each on average, gathered from S = N / 2 source rows
-(each source row in two experts, as ht's receive buffer holds one row per (token, rank) at R 2, K 8).
+(each source row in two experts on average; each expert's rows are drawn apart).
 Sources: ordinary memory, or symmetric memory as ht's receive buffer is (epmoe.symm.torch_workspace
 over a 1-rank process group); rows per expert: exactly t, or drawn as uniform random routing draws them
 (multinomial; partial row tiles at each expert's end).
@@ -49,7 +49,7 @@ def _source(S: int, symmetric: bool, dev: torch.device, keep: list) -> torch.Ten
     return ws.local("x")
 
 
-def _offsets(L: int, t: int, random: bool, g: torch.Generator, dev: torch.device) -> torch.Tensor:
+def _offsets(t: int, random: bool, g: torch.Generator, dev: torch.device) -> torch.Tensor:
     if random:
         counts = torch.bincount(torch.randint(0, L, (L * t,), device=dev, generator=g), minlength=L)
     else:
@@ -77,7 +77,7 @@ def main() -> None:
             x_SD = _source(S, symmetric, dev, keep)
             x_SD.copy_(torch.randn(S, D, device=dev, generator=g, dtype=torch.bfloat16))
             for random in (False, True):
-                offsets = _offsets(L, t, random, g, dev)
+                offsets = _offsets(t, random, g, dev)
                 counts = offsets.diff().tolist()
                 # each expert's rows ascend in the source buffer, as ht's layout orders them (source rank, slot)
                 rows_N = torch.cat([torch.randperm(S, device=dev, generator=g)[:n].sort().values for n in counts])

@@ -402,15 +402,15 @@ def test_host_poll_for_the_batch_size():
             return self.done
     buf = torch.full((1,), 5 << 32 | 9, dtype=torch.int64)  # epoch 5's word
     word = ctypes.c_int64.from_address(buf.data_ptr())
-    laid_out = Event()
+    ready = Event()
     writer = threading.Timer(5 * SIZE_POLL_CHECK_S, lambda: buf.fill_(7 << 32 | 42))
     writer.start()
-    assert _poll_size(word, 7, laid_out) == 42
+    assert _poll_size(word, 7, ready) == 42
     writer.join()
-    laid_out.done = True
-    assert _poll_size(word, 9, laid_out) is None
+    ready.done = True
+    assert _poll_size(word, 9, ready) is None
     buf.fill_(9 << 32 | 0xFFFFFFFF)  # a wait that gave up
-    assert _poll_size(word, 9, laid_out) == -1
+    assert _poll_size(word, 9, ready) == -1
 
 
 def test_batch_size_word_of_another_epoch_raises():

@@ -161,7 +161,7 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
             host.append(time.perf_counter() - t0)
-            dispatcher._stream_waits_for_rows(pending)
+            dispatcher._stream_waits_for_rows()
             # where the device waits for the rows: the stream, or the side stream (behind the layout)
             e1.record(dispatcher._side if dispatcher._side_waits_for_rows else None)
             layout = dispatcher._layout_ready(pending)

@@ -153,14 +153,14 @@ def dense_pays(world_size: int, top_k: int) -> bool:
 SIZE_POLL_CHECK_S = 1e-3
 
 
-def _poll_size(word: ctypes.c_int64, epoch: int, laid_out: torch.cuda.Event) -> int | None:
+def _poll_size(word: ctypes.c_int64, epoch: int, ready: torch.cuda.Event) -> int | None:
     """Spin until the host word holds epoch's batch size (`kernels.batch_size`); every SIZE_POLL_CHECK_S
-    let other Python threads run and check `laid_out` (an event after the layout kernels): once it has
+    let other Python threads run and check `ready` (an event after the layout kernels): once it has
     completed, the word is final (None: the layout ended without writing it)."""
     checked = time.perf_counter()
     while (n := kernels.batch_size(word.value, epoch)) is None:
         if time.perf_counter() - checked > SIZE_POLL_CHECK_S:
-            if laid_out.query():
+            if ready.query():
                 return kernels.batch_size(word.value, epoch)
             time.sleep(0)
             checked = time.perf_counter()
@@ -571,20 +571,20 @@ class HtDispatcher(Dispatcher):
         return n
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
-        self._stream_waits_for_rows(pending)
+        self._stream_waits_for_rows()
         return self._expert_batch(pending, self._layout_ready(pending))
 
     def _wait_for_rows(self) -> None:
         """Block the current stream until every rank's rows of the latest epoch are here."""
-        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the SMs, on the side
-        # stream, before this wait in dense mode's stream order)
+        # copy engine: one epoch stamp per peer (this rank's own rows were copied on the SMs before this
+        # wait, in stream order)
         programs, skip = (1, self.rank) if self.copy_engine else (self.launch.programs, -1)
         kernels.wait_flags(self.ws.local("dispatch_flag"), self.ws.local("dispatch_seq"), programs, self._wait, skip)
 
-    def _stream_waits_for_rows(self, pending: HtDispatchPending) -> None:
+    def _stream_waits_for_rows(self) -> None:
         """The calling stream's device-side wait for the rows, unless the side stream has it (then the
         stream waits for the side stream, `_layout_ready`)."""
-        if pending.early is None or not self._side_waits_for_rows:
+        if not self._side_waits_for_rows:
             self._wait_for_rows()
 
     def _layout_ready(self, pending: HtDispatchPending) -> HtLayout:
