@@ -15,7 +15,7 @@ import torch.nn.functional as F_
 from .config import MoEConfig
 from .interfaces import check_pairing, check_tokens, check_x
 from .registry import default_device, make_dispatcher, make_experts
-from .routing import route
+from .routing import check_logits, route
 from .symm import group_rank_world
 
 
@@ -135,12 +135,9 @@ class FusedMoE(torch.nn.Module):
             check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
             return
         check_x(self.cfg, x_TD)
-        E = self.cfg.num_experts
-        if logits_TE.shape != (x_TD.shape[0], E) or not logits_TE.is_floating_point():
-            raise ValueError(f"logits_TE must be float [T={x_TD.shape[0]}, E={E}], got {logits_TE.dtype} "
-                             f"{tuple(logits_TE.shape)}")
-        if correction_bias_E is not None and correction_bias_E.shape != (E,):
-            raise ValueError(f"correction_bias_E must be [E={E}], got {tuple(correction_bias_E.shape)}")
+        check_logits(logits_TE, self.cfg.num_experts, correction_bias_E, self.cfg.scoring)
+        if logits_TE.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"logits_TE has {logits_TE.shape[0]} rows, x_TD {x_TD.shape[0]}")
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,

@@ -11,6 +11,20 @@ from .config import SCORINGS, MoEConfig
 _UNSET = object()
 
 
+def check_logits(logits_TE: torch.Tensor, E: int, correction_bias_E: torch.Tensor | None, scoring: str) -> None:
+    """ValueError unless logits_TE is a float [T, E] tensor and correction_bias_E, if given, is [E] with
+    sigmoid scoring."""
+    if logits_TE.dim() != 2 or logits_TE.shape[1] != E:
+        raise ValueError(f"logits_TE must be [T, E={E}], got {tuple(logits_TE.shape)}")
+    if not logits_TE.is_floating_point():
+        raise ValueError(f"logits_TE must be a float tensor, got {logits_TE.dtype}")
+    if correction_bias_E is not None:
+        if correction_bias_E.shape != (E,):
+            raise ValueError(f"correction_bias_E must be [E={E}], got {tuple(correction_bias_E.shape)}")
+        if scoring != "sigmoid":
+            raise ValueError("correction_bias_E is used only with sigmoid scoring")
+
+
 def route(
     logits_TE: torch.Tensor,
     cfg: MoEConfig,
@@ -50,22 +64,14 @@ def route(
     num_groups = cfg.num_groups if num_groups is _UNSET else num_groups
     topk_groups = cfg.topk_groups if topk_groups is _UNSET else topk_groups
     E, K = cfg.num_experts, cfg.top_k
-    if logits_TE.dim() != 2 or logits_TE.shape[1] != E:
-        raise ValueError(f"logits_TE must be [T, E={E}], got {tuple(logits_TE.shape)}")
-    if not logits_TE.is_floating_point():
-        raise ValueError(f"logits_TE must be a float tensor, got {logits_TE.dtype}")
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    check_logits(logits_TE, E, correction_bias_E, scoring)
     if (num_groups is None) != (topk_groups is None):
         raise ValueError("num_groups and topk_groups must be given together")
     if num_groups is not None and (E % num_groups or not 1 <= topk_groups <= num_groups
                                    or topk_groups * (E // num_groups) < K):
         raise ValueError(f"num_groups={num_groups}, topk_groups={topk_groups} do not fit E={E}, K={K}")
-    if correction_bias_E is not None:
-        if correction_bias_E.shape != (E,):
-            raise ValueError(f"correction_bias_E must be [E={E}], got {tuple(correction_bias_E.shape)}")
-        if scoring != "sigmoid":
-            raise ValueError("correction_bias_E is used only with sigmoid scoring")
 
     logits_TE = logits_TE.float()
     if scoring == "softmax":

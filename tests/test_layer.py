@@ -82,6 +82,7 @@ def test_fused_moe_checks_its_arguments_before_the_shared_experts_run():
                          ((x.to("meta"), logits), {}), ((x[:, :7], logits), {}), ((x.double(), logits), {}),
                          ((x[0], logits), {}), ((x, logits[:, :3]), {}), ((x, logits[:2]), {}),
                          ((x, logits), {"correction_bias_E": torch.zeros(3)}),
+                         ((x, logits), {"correction_bias_E": torch.zeros(4)}),  # softmax scoring: no bias
                          ((x,), {"weights_TK": w, "ids_TK": ids + 4}), ((x,), {"weights_TK": w[:2], "ids_TK": ids})]:
         with pytest.raises(ValueError):
             moe(*args, **kwargs)
