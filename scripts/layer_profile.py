@@ -7,14 +7,30 @@ Per dispatcher, rank 0 writes OUT_DIR/layer_<dispatcher>.trace.json (chrome trac
 kernel table (GPU time per kernel name, summed over the profiled calls) and, for the last call, every
 GPU op in order with its start and end relative to the call's first op (µs) and the GPU's idle gaps
 longer than 5 µs (the stream waiting for the host, or for another stream).
+
+--host: no profiler (whose own host cost paces the layer): CUDA events and the host clock at each
+phase's start and end (chunk count, shared experts, route, dispatch send / batch size / receive,
+expert GEMMs, combine), medians over --calls calls. A phase whose GPU start is within a few µs of
+its host start found the GPU waiting for the host. --cprofile (with --host): then cProfile over
+--calls more calls on rank 0, the functions with the most cumulative and own host time; --deep:
+also marks inside the dispatch and the GEMMs (each mark costs the host a few µs).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
+import epmoe.experts.triton as triton_experts
+import epmoe.kernels.grouped_gemm as grouped_gemm
+import epmoe.kernels.ht as ht_kernels
+import epmoe.layer
 from torch.profiler import ProfilerActivity, profile
 
 from epmoe.bench.dispatch import NVLINK_ENV
@@ -70,11 +86,119 @@ def _profile_layer(ctx, args, inputs, name: str) -> FusedMoE:
     return moe
 
 
+class _Marks:
+    """Host clock and a CUDA event at named points of one call."""
+
+    def __init__(self) -> None:
+        self.points: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.points.append((name, time.perf_counter(), event))
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        """owner.attr marks `label >` before and `label <` after each call (an instance attribute)."""
+        inner = getattr(owner, attr)
+
+        def marked(*a, **k):
+            self.mark(f"{label} >")
+            result = inner(*a, **k)
+            self.mark(f"{label} <")
+            return result
+        setattr(owner, attr, marked)
+
+    def times(self) -> list[tuple[str, float, float]]:
+        """[(name, host µs, GPU µs)] relative to the first point (the GPU idle there)."""
+        torch.cuda.synchronize()
+        _, h0, e0 = self.points[0]
+        return [(n, (h - h0) * 1e6, e0.elapsed_time(e) * 1e3) for n, h, e in self.points]
+
+
+def _deep_marks(moe: FusedMoE) -> list[tuple[object, str, str]]:
+    """(owner, attribute, label) of the functions --deep marks too: the ht kernels' wrappers, the copy
+    engine, the grouped GEMMs' launch steps and the Triton launch of their kernel."""
+    names = ("number_pairs", "copy_rows", "layout_count", "layout_scan", "layout_place", "wait_flags", "combine")
+    found = [(ht_kernels, n, f"kernels.{n}") for n in names]
+    engine = getattr(moe.dispatcher, "_engine", None)
+    if engine is not None:
+        found.append((engine, "send_rows", "engine.send_rows"))
+    return found + [(grouped_gemm, "_launch", "gemm _launch"), (grouped_gemm, "_descriptor", "gemm _descriptor"),
+                    (grouped_gemm._grouped_gemm_kernel, "run", "gemm jit run")]
+
+
+def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
+    """Medians over args.calls calls (after 3 warm-ups) of each mark's host and GPU time; rank 0 prints."""
+    cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
+    moe = build_layer(cfg, weights, ctx.group, name, args.experts, ctx.device)
+    marks = _Marks()
+    start_chunk_count = moe._start_chunk_count
+
+    def chunk_count(*a):
+        read = start_chunk_count(*a)
+
+        def marked_read():
+            marks.mark("chunk count read >")
+            n = read()
+            marks.mark("chunk count read <")
+            return n
+        return marked_read
+    moe._start_chunk_count = chunk_count
+    marks.wrap(moe.shared_experts, "forward", "shared experts")
+    marks.wrap(moe.experts, "_forward", "experts")
+    marks.wrap(moe.dispatcher, "combine", "combine")
+    for attr in ("_dispatch_send", "_batch_size", "_dispatch_recv"):
+        if hasattr(moe.dispatcher, attr):
+            marks.wrap(moe.dispatcher, attr, attr.lstrip("_"))
+    marked = [(epmoe.layer, "route", "route"), (triton_experts, "gate_up", "gate_up"),
+              (triton_experts, "down", "down")] + (_deep_marks(moe) if args.deep else [])
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in marked]
+    for owner, attr, label in marked:
+        marks.wrap(owner, attr, label)
+    runs = []
+    try:
+        for i in range(3 + args.calls):
+            dist.barrier(group=ctx.group)
+            torch.cuda.synchronize()
+            marks.points.clear()
+            marks.mark("call >")
+            moe(x_TD, logits_TE, correction_bias_E=weights.correction_bias_E)
+            marks.mark("call <")
+            if i >= 3:
+                runs.append(marks.times())
+    finally:
+        for owner, attr, inner in saved:
+            setattr(owner, attr, inner)
+    if args.cprofile:
+        prof = cProfile.Profile()
+        for _ in range(args.calls):
+            dist.barrier(group=ctx.group)
+            torch.cuda.synchronize()
+            prof.enable()
+            moe(x_TD, logits_TE, correction_bias_E=weights.correction_bias_E)
+            prof.disable()
+        if ctx.rank == 0:
+            for key, rows in (("cumulative", 60), ("tottime", 30)):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(rows)
+                print(f"=== {name}: cProfile of {args.calls} calls by {key}\n{text.getvalue()}", flush=True)
+    if ctx.rank == 0:
+        print(f"=== {name} ({moe.experts.name} experts): host and GPU time of each mark, µs from the call's "
+              f"start, medians of {args.calls} calls; gpu-host: how far the GPU trails the host there", flush=True)
+        print(f"{'mark':28} {'host':>8} {'gpu':>8} {'gpu-host':>9}", flush=True)
+        for j, (label, _, _) in enumerate(runs[0]):
+            host = statistics.median(r[j][1] for r in runs)
+            gpu = statistics.median(r[j][2] for r in runs)
+            print(f"{label:28} {host:8.1f} {gpu:8.1f} {gpu - host:9.1f}", flush=True)
+    return moe
+
+
 def _rank(ctx, args):
     inputs = rank_inputs(GPU_SPEC, ctx.rank, ctx.world_size, ctx.device)
     # every layer (and its dispatcher's symmetric workspace) stays allocated to the end: no
     # symmetric-memory frees between dispatchers
-    layers = [_profile_layer(ctx, args, inputs, name) for name in args.dispatchers]
+    run = _host_timeline if args.host else _profile_layer
+    layers = [run(ctx, args, inputs, name) for name in args.dispatchers]
     return [moe.dispatcher.name for moe in layers]
 
 
@@ -85,6 +209,10 @@ def main() -> None:
     p.add_argument("--experts", default="auto")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--host", action="store_true", help="host and GPU time per phase, no profiler")
+    p.add_argument("--deep", action="store_true", help="with --host: also mark the ht kernels' wrappers and "
+                   "the grouped GEMMs' launch steps")
+    p.add_argument("--cprofile", action="store_true", help="with --host: cProfile of the host, rank 0")
     args = p.parse_args()
     args.dispatchers = args.dispatchers.split(",")
     os.makedirs(args.out, exist_ok=True)
