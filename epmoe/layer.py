@@ -94,8 +94,8 @@ class FusedMoE(torch.nn.Module):
     def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[], int]:
         """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader. With R > 1 and a
         dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of its
-        own), which the reader waits for (a host sync): called after the host has queued the shared
-        experts and the routing, it finds the all-reduce's round trip over."""
+        own), which the reader waits for (a host sync): called after the host has queued the routing, it
+        finds the all-reduce's round trip over."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
             return lambda: chunks
@@ -154,10 +154,11 @@ class FusedMoE(torch.nn.Module):
             out_TD: [T, D] in cfg.dtype.
         """
         self._check_inputs(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
-        chunks = self._start_chunk_count(x_TD.shape[0], x_TD.device)
-        # The shared experts first: their GPU work runs while the host routes and queues the dispatch (the
-        # host of a host-synced dispatch can be behind the GPU there, which would idle meanwhile)
+        # The shared experts first: their GPU work runs while the host queues the chunk count, routes and
+        # queues the dispatch (~1 ms of host time at 4096 tokens on 2 H200s; the chunk count's all-reduce
+        # alone ~150 µs, during which an idle GPU would wait)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
+        chunks = self._start_chunk_count(x_TD.shape[0], x_TD.device)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
