@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .config import SCORINGS, MoEConfig
+from .kernels.routing import MAX_EXPERTS, route_topk
 
 _UNSET = object()
 
@@ -58,6 +59,10 @@ def route(
         weights_TK: float32 [T, K], the weight of each chosen expert.
         ids_TK: int32 [T, K], global expert ids in [0, E), distinct per token; the K columns are in
             descending order of the score used for the choice.
+
+    On a GPU (E <= 4096) one Triton kernel does it all (`epmoe.kernels.routing.route_topk`; of equal
+    scores it takes the lower expert id, and its weights can differ from the torch version's in the
+    last bits); elsewhere torch operations.
     """
     scoring = cfg.scoring if scoring is None else scoring
     renormalize = cfg.renormalize if renormalize is None else renormalize
@@ -73,6 +78,23 @@ def route(
                                    or topk_groups * (E // num_groups) < K):
         raise ValueError(f"num_groups={num_groups}, topk_groups={topk_groups} do not fit E={E}, K={K}")
 
+    if _use_kernel(logits_TE, E):
+        return route_topk(logits_TE, K, sigmoid=scoring == "sigmoid", correction_bias_E=correction_bias_E,
+                          num_groups=num_groups, topk_groups=topk_groups, renormalize=renormalize,
+                          routed_scaling_factor=routed_scaling_factor)
+    return _route_torch(logits_TE, K, scoring, correction_bias_E, num_groups, topk_groups, renormalize,
+                        routed_scaling_factor)
+
+
+def _use_kernel(logits_TE: torch.Tensor, E: int) -> bool:
+    """Whether route runs `route_topk` (one launch) rather than its torch version (~16): on a GPU."""
+    return logits_TE.is_cuda and E <= MAX_EXPERTS
+
+
+def _route_torch(logits_TE, K, scoring, correction_bias_E, num_groups, topk_groups, renormalize,
+                 routed_scaling_factor) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's choice in torch operations, for validated inputs (the CPU's, and the kernel's reference)."""
+    E = logits_TE.shape[1]
     logits_TE = logits_TE.float()
     if scoring == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)

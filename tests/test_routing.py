@@ -1,10 +1,28 @@
-"""epmoe.route against hand-computed cases."""
+"""epmoe.route against hand-computed cases, through both its versions (torch operations; the Triton
+kernel, under the interpreter on the CPU), and the kernel against the torch version on random logits."""
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import epmoe
+import epmoe.routing
+from epmoe.kernels.routing import route_topk
+
+
+@pytest.fixture(params=["torch", "kernel"], autouse=True)
+def version(request, monkeypatch):
+    """Every test of this module runs with route's torch version and with its kernel (on CPU tensors
+    under the Triton interpreter, so not where a GPU turns the interpreter off, except GPU tests)."""
+    if (request.param == "kernel" and os.environ.get("TRITON_INTERPRET") != "1"
+            and request.node.get_closest_marker("gpu") is None):
+        pytest.skip("the kernel on CPU tensors needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(epmoe.routing, "_use_kernel", lambda logits_TE, E: request.param == "kernel")
+    return request.param
 
 
 def _cfg(E, K, **kw):
@@ -84,3 +102,100 @@ def test_route_refuses_bad_input(kwargs, logits, words):
     with pytest.raises(ValueError) as e:
         epmoe.route(logits, _cfg(4, 2), **kwargs)
     assert words in str(e.value)
+
+
+def _both(logits, cfg, **kw):
+    """(weights, ids) of the kernel and of the torch version for the same route arguments."""
+    got = epmoe.route(logits, cfg, **kw)
+    epmoe.routing._use_kernel = lambda logits_TE, E: False
+    return got, epmoe.route(logits, cfg, **kw)
+
+
+def _assert_same_choice(got, want, choice_TE):
+    """ids equal, in order, on at least 90% of the rows; on the others the choice scores at both sets of
+    ids agree to 1e-5 (ties, or near ties that the scores' last bits decide); weights close on equal
+    rows."""
+    (w, ids), (w_ref, ids_ref) = got, want
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == ids_ref.shape
+    differ = (ids != ids_ref).any(1)
+    assert int(differ.sum()) <= 0.1 * ids.shape[0], f"{int(differ.sum())} of {ids.shape[0]} rows differ"
+    if differ.any():
+        rows = differ.nonzero()[:, 0]
+        a = choice_TE[rows].gather(1, ids[rows].long()).sort(1).values
+        b = choice_TE[rows].gather(1, ids_ref[rows].long()).sort(1).values
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(w[~differ], w_ref[~differ], atol=1e-6, rtol=1e-5)
+
+
+def _choice(logits, scoring, bias=None):
+    scores = torch.softmax(logits.float(), -1) if scoring == "softmax" else torch.sigmoid(logits.float())
+    return scores if bias is None else scores + bias.float()
+
+
+@pytest.mark.parametrize("E, K, kw", [
+    (16, 4, dict(renormalize=False)),
+    (64, 6, dict()),
+    (60, 5, dict(num_groups=6, topk_groups=2)),  # groups of 10 experts (not a power of two)
+    (64, 8, dict(num_groups=8, topk_groups=3, renormalize=False)),
+    (64, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)),
+    (16, 16, dict(scoring="sigmoid")),  # K = E
+    (24, 3, dict(scoring="sigmoid", num_groups=24, topk_groups=5)),  # groups of one expert
+])
+@pytest.mark.parametrize("T", [1, 37])
+def test_kernel_matches_torch_on_random_logits(version, E, K, kw, T):
+    if version == "torch":
+        pytest.skip("compares the two versions")
+    g = torch.Generator().manual_seed(E * 100 + T)
+    cfg_kw = {k: v for k, v in kw.items() if k != "routed_scaling_factor"}
+    cfg = _cfg(E, K, **cfg_kw)
+    logits = torch.randn(T, E + 3, generator=g)[:, 3:]  # a row stride other than E
+    bias = torch.randn(E, generator=g) * 0.1 if cfg.scoring == "sigmoid" else None
+    route_kw = {"correction_bias_E": bias, "routed_scaling_factor": kw.get("routed_scaling_factor", 1.0)}
+    logits = logits.to(torch.bfloat16)  # ties (equal bf16 logits): each version may take either expert
+    got, want = _both(logits, cfg, **route_kw)
+    _assert_same_choice(got, want, _choice(logits, cfg.scoring, bias))
+    assert all(len(set(row)) == K for row in got[1].tolist())
+
+
+def test_kernel_keeps_ids_distinct_and_in_range_on_nan_logits(version):
+    if version == "torch":
+        pytest.skip("the kernel's own fallback")
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    logits[2, 5] = float("nan")
+    w, ids = route_topk(logits, 4, sigmoid=True, correction_bias_E=None, num_groups=4, topk_groups=2,
+                        renormalize=True, routed_scaling_factor=1.0)
+    for row in ids.tolist():
+        assert len(set(row)) == 4 and all(0 <= i < 32 for i in row)
+    assert w[1].isnan().all() and not w[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version):
+    """4096 tokens, 256 experts, DeepSeek-V3's grouped sigmoid choice with a bias (and softmax top-8)."""
+    if version == "torch":
+        pytest.skip("compares the two versions")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(4096, 256, device="cuda", generator=g)
+    bias = torch.randn(256, device="cuda", generator=g) * 0.1
+    for cfg, b in [(_cfg(256, 8, scoring="sigmoid", num_groups=8, topk_groups=4), bias),
+                   (_cfg(256, 8), None), (_cfg(128, 8, renormalize=False), None)]:
+        x = logits[:, :cfg.num_experts]
+        got, want = _both(x, cfg, correction_bias_E=b)
+        epmoe.routing._use_kernel = lambda logits_TE, E: True
+        _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
+
+
+def test_kernel_compiles_for_hopper(version):
+    """The routing kernel compiles for sm_90 without spills at the launcher's blocks
+    (tests/compile_routing.py, in a process without the interpreter)."""
+    if version == "torch" or torch.cuda.is_available():
+        pytest.skip("the kernel's compile check; the GPU runs the kernel itself")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(root / "tests" / "compile_routing.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
