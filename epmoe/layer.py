@@ -94,8 +94,8 @@ class FusedMoE(torch.nn.Module):
     def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[], int]:
         """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader. With R > 1 and a
         dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of its
-        own), which the reader waits for (a host sync): called after the host has queued the routing, it
-        finds the all-reduce's round trip over."""
+        own), which the reader waits for (a host sync): called after the host has queued the first chunk,
+        it finds the all-reduce's round trip over."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
             return lambda: chunks
@@ -163,10 +163,15 @@ class FusedMoE(torch.nn.Module):
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
         out_TD = torch.empty_like(x_TD)
-        for c in range(chunks()):
-            lo, hi = min(c * step, T), min((c + 1) * step, T)
+        chunk, num_chunks = 0, None
+        while chunk != num_chunks:
+            lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
             batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
+            # every rank has at least one chunk: the agreed count is read once the first one is queued (a
+            # host sync on the all-reduce, over by then, rather than one between routing and dispatch)
+            num_chunks = num_chunks or chunks()
+            chunk += 1
         if self.cfg.routed_scaling_factor != 1.0:
             out_TD.mul_(self.cfg.routed_scaling_factor)
         if shared_TD is not None:
