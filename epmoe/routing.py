@@ -13,8 +13,8 @@ _UNSET = object()
 
 
 def check_logits(logits_TE: torch.Tensor, E: int, correction_bias_E: torch.Tensor | None, scoring: str) -> None:
-    """ValueError unless logits_TE is a float [T, E] tensor and correction_bias_E, if given, is [E] with
-    sigmoid scoring."""
+    """ValueError unless logits_TE is a float [T, E] tensor and correction_bias_E, if given, is [E] on
+    its device with sigmoid scoring."""
     if logits_TE.dim() != 2 or logits_TE.shape[1] != E:
         raise ValueError(f"logits_TE must be [T, E={E}], got {tuple(logits_TE.shape)}")
     if not logits_TE.is_floating_point():
@@ -22,6 +22,8 @@ def check_logits(logits_TE: torch.Tensor, E: int, correction_bias_E: torch.Tenso
     if correction_bias_E is not None:
         if correction_bias_E.shape != (E,):
             raise ValueError(f"correction_bias_E must be [E={E}], got {tuple(correction_bias_E.shape)}")
+        if correction_bias_E.device != logits_TE.device:
+            raise ValueError(f"correction_bias_E is on {correction_bias_E.device}, logits_TE on {logits_TE.device}")
         if scoring != "sigmoid":
             raise ValueError("correction_bias_E is used only with sigmoid scoring")
 

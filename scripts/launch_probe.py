@@ -3,7 +3,12 @@ specialization key, cache lookup, launch) and through the compiled kernel's own 
 when the JIT's work is skipped), for an ht kernel of 14 arguments that does nothing (0 received rows).
 Also a torch op for scale. One GPU.
 
-    python3 scripts/launch_probe.py [--n 2000]
+--gemm: the same for the grouped GEMM's gate-up launch at the ht layer's shapes (D 7168, F 2048, 128
+experts, 8192 rows read through a row index; every expert empty, so the kernel returns at once): the
+`gate_up` wrapper (checks, config, allocations, TMA descriptors, launch), the JIT launch alone, the
+JIT's argument binding alone (`binder`, where this Triton exposes it) and the compiled launcher.
+
+    python3 scripts/launch_probe.py [--n 2000] [--gemm]
 """
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import time
 import torch
 import triton
 
+from epmoe.kernels import grouped_gemm as gg
 from epmoe.kernels import ht as k
+from epmoe.kernels.grouped_gemm import ExpertRows, gate_up
 from epmoe.kernels.ht import layout_blocks
 
 try:  # triton >= 3.4
@@ -31,6 +38,7 @@ except ImportError:  # older: hooks on CompiledKernel
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--gemm", action="store_true", help="also the grouped GEMM's gate-up launch")
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     R, C, K, L = 2, 4096, 8, 128
@@ -65,15 +73,60 @@ def main() -> None:
         seq.add_(0)
 
     for name, fn in (("JIT launch", jit), ("compiled kernel's launcher", direct), ("torch add_", torch_op)):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.n):
-            fn()
-        us = (time.perf_counter() - t0) / args.n * 1e6
-        torch.cuda.synchronize()
-        print(f"{name:<28} {us:6.1f} us per call (triton {triton.__version__}, torch {torch.__version__})")
+        _report(name, fn, args.n)
+    if args.gemm:
+        _gemm(dev, args.n)
+
+
+def _report(name: str, fn, n: int) -> None:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    print(f"{name:<36} {us:6.1f} us per call (triton {triton.__version__}, torch {torch.__version__})", flush=True)
+
+
+def _gemm(dev: torch.device, n: int) -> None:
+    L, F, D, N = 128, 2048, 7168, 8192
+    x = torch.randn(2 * N, D, dtype=torch.bfloat16, device=dev)
+    w13 = torch.randn(L, 2 * F, D, dtype=torch.bfloat16, device=dev)
+    rows = ExpertRows.contiguous(torch.zeros(L + 1, dtype=torch.int32, device=dev))  # every expert empty
+    index = torch.arange(N, dtype=torch.int32, device=dev)
+    kernel = gg._grouped_gemm_kernel
+    captured = {}
+    inner = kernel.run
+
+    def capture(*a, **kw):
+        captured.update(a=a, kw=kw)
+        return inner(*a, **kw)
+    kernel.run = capture
+    try:
+        gate_up(x, w13, rows, x_rows_R=index, rows_hint=256)
+    finally:
+        del kernel.run
+    a, kw = captured["a"], captured["kw"]
+    compiled = kernel.run(*a, **kw)
+    meta = {k: v for k, v in kw.items() if k not in ("grid", "warmup")}
+    grid = kw["grid"]
+    _report("gate_up wrapper", lambda: gate_up(x, w13, rows, x_rows_R=index, rows_hint=256), n)
+    _report("gate_up JIT launch", lambda: kernel.run(*a, **kw), n)
+    try:
+        binder = kernel.device_caches[dev.index][-1]
+        bound, _, _ = binder(*a, **meta)
+    except Exception as exc:  # this Triton's internals differ
+        print(f"gate_up binder: not timed ({type(exc).__name__}: {exc})")
+        return
+    _report("gate_up JIT binding only", lambda: binder(*a, **meta), n)
+    values = list(bound.values())
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    enter, leave = _hooks()
+    _report("gate_up compiled launcher", lambda: compiled.run(
+        grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *values), enter, leave, *values), n)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ def test_route_zero_tokens_and_ids_distinct():
     ({"correction_bias_E": torch.zeros(3)}, torch.zeros(2, 4), "correction_bias_E must be"),
     ({"correction_bias_E": torch.zeros(4)}, torch.zeros(2, 4), "sigmoid"),
     ({"num_groups": 3, "topk_groups": 1}, torch.zeros(2, 4), "num_groups=3"),
+    ({"correction_bias_E": torch.zeros(4, device="meta"), "scoring": "sigmoid"}, torch.zeros(2, 4), "is on meta"),
 ])
 def test_route_refuses_bad_input(kwargs, logits, words):
     with pytest.raises(ValueError) as e:
