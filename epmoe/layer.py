@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
-from .interfaces import check_pairing, check_tokens, check_x
+from .interfaces import Dispatcher, check_pairing, check_tokens, check_x
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
 from .symm import group_rank_world
@@ -45,7 +45,10 @@ class FusedMoE(torch.nn.Module):
         cfg: shapes, precision and routing settings (the same on every rank).
         group: process group of the expert-parallel ranks; None = single rank. Rank r of the group
             owns global experts [r*L, (r+1)*L), L = E / R.
-        dispatcher: a dispatcher name (see `epmoe.list_dispatchers`) or "auto".
+        dispatcher: a dispatcher name (see `epmoe.list_dispatchers`), "auto", or a Dispatcher built for
+            this cfg and group, for options a name cannot carry: e.g. `HtDispatcher(cfg, group,
+            sync_free=True)` makes a layer with no host sync, which a CUDA graph can capture (with `ll`
+            by name too).
         experts: an experts name (see `epmoe.list_experts`) or "auto".
         shared_experts: optional module mapping x_TD -> [T, D], added to the routed output (which is
             scaled by cfg.routed_scaling_factor first); it sees the whole local batch.
@@ -54,7 +57,7 @@ class FusedMoE(torch.nn.Module):
     Construction is collective for dispatchers that set up shared buffers: call it on every rank.
     """
 
-    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str = "auto",
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
                  experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -65,7 +68,13 @@ class FusedMoE(torch.nn.Module):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
-        self.dispatcher = make_dispatcher(dispatcher, cfg, group)
+        if isinstance(dispatcher, Dispatcher):
+            if dispatcher.cfg != cfg or dispatcher.group is not group:
+                raise ValueError(f"dispatcher {dispatcher.name!r} was built for another "
+                                 f"{'config' if dispatcher.cfg != cfg else 'group'} than the layer's")
+            self.dispatcher = dispatcher
+        else:
+            self.dispatcher = make_dispatcher(dispatcher, cfg, group)
         buffers = getattr(self.dispatcher, "device", None)  # dispatchers with their own buffers (ht, ll)
         if buffers is not None and torch.device(buffers) != self.device:
             raise ValueError(f"dispatcher {self.dispatcher.name!r} keeps its buffers on {buffers}, the layer is on "

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
-from .interfaces import check_pairing
+from .interfaces import Dispatcher, check_pairing
 from .layer import FusedMoE, GatedMLP
 from .registry import dispatcher_class, experts_class, list_dispatchers, list_experts, resolve_experts
 
@@ -114,7 +114,7 @@ def shared_expert(cfg: MoEConfig, weights: LayerWeights, device: torch.device | 
     return mlp
 
 
-def build_layer(cfg: MoEConfig, weights: LayerWeights, group: dist.ProcessGroup | None, dispatcher: str,
+def build_layer(cfg: MoEConfig, weights: LayerWeights, group: dist.ProcessGroup | None, dispatcher: str | Dispatcher,
                 experts: str, device: torch.device | str, shared: bool = True) -> FusedMoE:
     """A FusedMoE over `group` with `weights` loaded (and the shared expert when `shared`)."""
     moe = FusedMoE(cfg, group, dispatcher=dispatcher, experts=experts, device=device,

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import epmoe
-from epmoe.testing import build_layer, make_weights, rel_error
+from epmoe.launch import spawn
+from epmoe.testing import build_layer, make_tokens, make_weights, rank_rows, reference_layer, rel_error, shared_expert
+from gpu_ranks import gpu_test_ranks
 
 import moe_cases
 
@@ -138,3 +140,53 @@ def test_registry_tables():
         epmoe.make_dispatcher("alltoall", cfg)
     with pytest.raises(ValueError, match="unknown experts 'nope'"):
         epmoe.make_experts("nope", cfg, 4, "cpu")
+
+
+def test_fused_moe_takes_a_dispatcher_built_for_its_config():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    weights = make_weights(cfg, 5, "cpu")
+    x, logits = make_tokens(cfg, 5, [6], "cpu")
+    by_name = build_layer(cfg, weights, None, "local", "reference", "cpu")
+    given = epmoe.FusedMoE(cfg, dispatcher=epmoe.make_dispatcher("local", cfg), experts="reference",
+                           shared_experts=shared_expert(cfg, weights, "cpu"))
+    given.load_experts(weights.w13_END, weights.w2_EDF)
+    torch.testing.assert_close(given(x, logits), by_name(x, logits), rtol=0, atol=0)
+    other = epmoe.MoEConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="another config"):
+        epmoe.FusedMoE(cfg, dispatcher=epmoe.make_dispatcher("local", other))
+
+
+def _graph_layer(ctx, T: int) -> bool:
+    """FusedMoE with a dispatcher that never syncs the host (ht sync_free, ll), captured in a CUDA graph:
+    replays on new tokens equal eager calls, and eager calls match the single-rank reference."""
+    from epmoe.dispatch.ht import HtDispatcher
+    cfg = epmoe.MoEConfig(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256, dtype=torch.bfloat16,
+                          max_tokens_per_rank=T, scoring="sigmoid", num_groups=4, topk_groups=2,
+                          routed_scaling_factor=2.5)
+    weights = make_weights(cfg, 7, ctx.device)
+    ref = reference_layer(cfg, weights, ctx.device)
+    for dispatcher in (HtDispatcher(cfg, ctx.group, sync_free=True), "ll"):
+        moe = epmoe.FusedMoE(cfg, ctx.group, dispatcher=dispatcher, experts="triton", device=ctx.device,
+                             shared_experts=shared_expert(cfg, weights, ctx.device))
+        moe.load_experts(weights.w13_END, weights.w2_EDF)
+        x_all, logits_all = make_tokens(cfg, 7, [T] * ctx.world_size, ctx.device)
+        mine = rank_rows([T] * ctx.world_size, ctx.rank)
+        x, logits = x_all[mine].clone(), logits_all[mine].clone()
+        bias = weights.correction_bias_E
+        assert rel_error(moe(x, logits, correction_bias_E=bias), ref(x, logits, correction_bias_E=bias)) < 2e-2
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x, logits, correction_bias_E=bias)
+        for seed in range(3):
+            g = torch.Generator(device=ctx.device).manual_seed(seed)
+            x.copy_(torch.randn(x.shape, generator=g, device=ctx.device).to(x.dtype))
+            logits.copy_(torch.randn(logits.shape, generator=g, device=ctx.device))
+            graph.replay()
+            torch.testing.assert_close(out, moe(x, logits, correction_bias_E=bias), rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.gpu2
+def test_gpu_fused_moe_without_host_sync_in_a_cuda_graph():
+    assert all(spawn(_graph_layer, gpu_test_ranks(), "cuda", (256,), timeout_s=240))

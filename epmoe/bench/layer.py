@@ -4,7 +4,9 @@
 
 Every rank runs its T tokens (default on GPUs: DeepSeek-V3's layer, T=4096) through FusedMoE with each
 available dispatcher; the baseline is the same rank running the same tokens alone with the `local`
-dispatcher and all E experts (what one GPU holding the whole layer would do). Time: the slowest rank's
+dispatcher and all E experts (what one GPU holding the whole layer would do). Where `ht` runs, also
+`ht(sync_free)`: the same dispatcher without its host sync (the batch sized for the worst case), as a
+layer captured in a CUDA graph would run it. Time: the slowest rank's
 median over --repeats calls after --warmup calls, each call between device synchronizations and lined up
 by a barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
 Writes layer.json into --out when given.
@@ -23,6 +25,7 @@ from typing import Sequence
 import torch
 
 from .._table import format_table
+from ..dispatch.ht import HtDispatcher
 from ..launch import RankContext
 from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, max_over_ranks,
                        median_ms, plan, rank_inputs, rel_error)
@@ -47,9 +50,14 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
     gc.collect()
 
     todo = plan(cfg, group, dev, experts=[experts])
+    runs = [(d_name, d_name, e_name) for d_name, e_name in todo.runs]
+    # ht also without its host sync (the worst-case batch), as a CUDA-graph-captured layer would run it
+    runs += [("ht(sync_free)", lambda: HtDispatcher(cfg, group, sync_free=True), e_name)
+             for d_name, e_name in todo.runs if d_name == "ht"]
     results = []
-    for d_name, e_name in todo.runs:
-        moe = build_layer(cfg, weights, group, d_name, e_name, dev)
+    for d_name, dispatcher, e_name in runs:
+        moe = build_layer(cfg, weights, group, dispatcher if isinstance(dispatcher, str) else dispatcher(), e_name,
+                          dev)
         err = max_over_ranks(rel_error(moe(x_TD, logits_TE, correction_bias_E=bias_E), base_TD), group, dev)
         ms = timed(moe)
         results.append({"dispatcher": d_name, "experts": e_name, "ms": ms, "baseline_ms": base_ms,
