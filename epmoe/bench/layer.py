@@ -5,10 +5,10 @@
 Every rank runs its T tokens (default on GPUs: DeepSeek-V3's layer, T=4096) through FusedMoE with each
 available dispatcher; the baseline is the same rank running the same tokens alone with the `local`
 dispatcher and all E experts (what one GPU holding the whole layer would do). Where `ht` runs, also
-`ht(sync_free)`: the same dispatcher without its host sync (the batch sized for the worst case), as a
-layer captured in a CUDA graph would run it. Time: the slowest rank's
-median over --repeats calls after --warmup calls, each call between device synchronizations and lined up
-by a barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
+`ht(sync_free)`: the same dispatcher without its host sync (the batch sized for the worst case); and
+every layer with no host sync (`ll`, `ht(sync_free)`) once more captured in a CUDA graph (`+graph`: one
+replay per call, no host work in it). Time: the slowest rank's median over --repeats calls after
+--warmup calls, each call between device synchronizations and lined up by a barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
 Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
@@ -62,6 +62,16 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
         ms = timed(moe)
         results.append({"dispatcher": d_name, "experts": e_name, "ms": ms, "baseline_ms": base_ms,
                         "speedup_vs_baseline": base_ms / ms, "rel_err_vs_baseline": err})
+        if dev.type == "cuda" and not moe.dispatcher.needs_host_sync:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_TD = moe(x_TD, logits_TE, correction_bias_E=bias_E)
+            graph.replay()
+            err = max_over_ranks(rel_error(out_TD, base_TD), group, dev)
+            ms = max_over_ranks(median_ms(graph.replay, repeats, dev, group, warmup), group, dev)
+            results.append({"dispatcher": f"{d_name}+graph", "experts": e_name, "ms": ms, "baseline_ms": base_ms,
+                            "speedup_vs_baseline": base_ms / ms, "rel_err_vs_baseline": err})
+            del graph, out_TD
         del moe
         gc.collect()
         if dev.type == "cuda":
