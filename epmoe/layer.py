@@ -108,10 +108,7 @@ class FusedMoE(torch.nn.Module):
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
             return lambda: chunks
-        if not self.dispatcher.needs_host_sync:
-            if T > self.cfg.max_tokens_per_rank:
-                raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
-                                 f"{self.cfg.max_tokens_per_rank} tokens per call, got {T}")
+        if not self.dispatcher.needs_host_sync:  # one chunk (`_check_inputs` refused more tokens)
             return lambda: 1
         # The count depends on T alone, known here: on a GPU the all-reduce runs on a stream of its own, so
         # that its read waits for the other ranks' hosts to get here, not for the work queued on the stream
@@ -140,6 +137,11 @@ class FusedMoE(torch.nn.Module):
             raise ValueError("give logits_TE, or both weights_TK and ids_TK")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        T = x_TD.shape[0]
+        if self.world_size > 1 and not self.dispatcher.needs_host_sync and T > self.cfg.max_tokens_per_rank:
+            raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
+                             f"{self.cfg.max_tokens_per_rank} tokens per call, got {T} (it has no host sync to "
+                             "agree on a chunk count with the other ranks)")
         if logits_TE is None:
             check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
             return

@@ -156,6 +156,30 @@ def test_fused_moe_takes_a_dispatcher_built_for_its_config():
         epmoe.FusedMoE(cfg, dispatcher=epmoe.make_dispatcher("local", other))
 
 
+def _no_sync_dispatcher_refuses_a_second_chunk(ctx) -> bool:
+    from epmoe.dispatch.allgather import AllGatherDispatcher
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32,
+                          max_tokens_per_rank=4)
+    d = AllGatherDispatcher(cfg, ctx.group)
+    d.needs_host_sync = False  # as a dispatcher with no host sync declares (ll, ht sync_free)
+    weights = make_weights(cfg, 0, "cpu")
+    moe = epmoe.FusedMoE(cfg, ctx.group, dispatcher=d, experts="reference", device="cpu",
+                         shared_experts=shared_expert(cfg, weights, "cpu"))
+    moe.load_experts(weights.w13_END, weights.w2_EDF)
+    calls = []
+    moe.shared_experts.register_forward_hook(lambda module, inputs, out: calls.append(inputs[0].shape))
+    with pytest.raises(ValueError, match="no host sync to agree on a chunk count"):
+        moe(torch.randn(5, 8), torch.randn(5, 4))
+    assert calls == []
+    return moe(torch.randn(4, 8), torch.randn(4, 4)).shape == (4, 8)
+
+
+def test_fused_moe_refuses_more_tokens_than_a_dispatcher_without_host_sync_takes():
+    """Such a dispatcher cannot agree on a chunk count: the layer refuses T > max_tokens_per_rank before
+    the shared experts run (2 gloo ranks, allgather posing as one)."""
+    assert all(spawn(_no_sync_dispatcher_refuses_a_second_chunk, 2, "cpu", (), timeout_s=120))
+
+
 def _graph_layer(ctx, T: int) -> bool:
     """FusedMoE with a dispatcher that never syncs the host (ht sync_free, ll), captured in a CUDA graph:
     replays on new tokens equal eager calls, and eager calls match the single-rank reference."""

@@ -8,8 +8,9 @@ dispatcher and all E experts (what one GPU holding the whole layer would do). Wh
 `ht(sync_free)`: the same dispatcher without its host sync (the batch sized for the worst case); and
 every layer with no host sync (`ll`, `ht(sync_free)`) once more captured in a CUDA graph (`+graph`: one
 replay per call, no host work in it). Time: the slowest rank's median over --repeats calls after
---warmup calls, each call between device synchronizations and lined up by a barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
-Writes layer.json into --out when given.
+--warmup calls, each call between device synchronizations and lined up by a barrier. Inputs are not
+rotated: each call streams the experts' weights (far beyond L2) anyway. Writes layer.json into --out
+when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
 """
