@@ -62,9 +62,10 @@ def route(
         ids_TK: int32 [T, K], global expert ids in [0, E), distinct per token; the K columns are in
             descending order of the score used for the choice.
 
-    On a GPU (E <= 4096) one Triton kernel does it all (`epmoe.kernels.routing.route_topk`; of equal
-    scores it takes the lower expert id, and its weights can differ from the torch version's in the
-    last bits); elsewhere torch operations.
+    On a GPU (E <= 4096) one Triton kernel does it all (`epmoe.kernels.routing.route_topk`: of equal
+    scores it takes the lower expert id, its weights can differ from the torch version's in the last
+    bits, and they carry no gradient, so logits that require one take the torch version); elsewhere
+    torch operations.
     """
     scoring = cfg.scoring if scoring is None else scoring
     renormalize = cfg.renormalize if renormalize is None else renormalize
@@ -89,12 +90,14 @@ def route(
 
 
 def _use_kernel(logits_TE: torch.Tensor, E: int) -> bool:
-    """Whether route runs `route_topk` (one launch) rather than its torch version (~16): on a GPU."""
-    return logits_TE.is_cuda and E <= MAX_EXPERTS
+    """Whether route runs `route_topk` (one launch) rather than its torch version (~16): on a GPU, unless
+    the weights must carry gradients to the logits (the kernel's do not)."""
+    return logits_TE.is_cuda and E <= MAX_EXPERTS and not (logits_TE.requires_grad and torch.is_grad_enabled())
 
 
-def _route_torch(logits_TE, K, scoring, correction_bias_E, num_groups, topk_groups, renormalize,
-                 routed_scaling_factor) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_torch(logits_TE: torch.Tensor, K: int, scoring: str, correction_bias_E: torch.Tensor | None,
+                 num_groups: int | None, topk_groups: int | None, renormalize: bool,
+                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """route's choice in torch operations, for validated inputs (the CPU's, and the kernel's reference)."""
     E = logits_TE.shape[1]
     logits_TE = logits_TE.float()

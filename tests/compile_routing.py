@@ -1,7 +1,7 @@
 """Compile the routing kernel for sm_90 without a GPU (ptxas ships with triton), for each choice rule at
-DeepSeek-V3's, Qwen3-MoE's and Mixtral's shapes with the launcher's blocks; fails on compiler errors and
-register spills. Run by test_routing.py in a process without TRITON_INTERPRET. Exit 3 = this Triton's
-compiler cannot be driven this way (skip)."""
+DeepSeek-V3's, Qwen3-MoE's and Mixtral's shapes, K = E and E = MAX_EXPERTS, with the launcher's
+blocks; fails on compiler errors and register spills. Run by test_routing.py in a process without
+TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be driven this way (skip)."""
 import sys
 
 import triton
@@ -17,14 +17,15 @@ def main() -> None:
     failures = []
     # (E, K, sigmoid, bias, groups, topk_groups)
     for E, K, sigmoid, bias, groups, topk_groups in [(256, 8, True, True, 8, 4), (128, 8, False, False, 0, 0),
-                                                     (8, 2, False, False, 0, 0), (160, 6, False, False, 8, 3)]:
-        block_e = triton.next_power_of_2(E)
+                                                     (8, 2, False, False, 0, 0), (160, 6, False, False, 8, 3),
+                                                     (64, 64, True, False, 0, 0), (4096, 8, True, True, 64, 8)]:
+        launch = routing.route_launch(4096, E)
         constexprs = dict(K=K, SIGMOID=sigmoid, HAS_BIAS=bias, GROUPS=groups,
                           GROUP_SIZE=E // groups if groups else 1, TOPK_GROUPS=topk_groups, RENORMALIZE=True,
-                          BLOCK_T=routing._ELEMENTS_PER_PROGRAM // block_e, BLOCK_E=block_e,
+                          BLOCK_T=launch.block_t, BLOCK_E=launch.block_e,
                           BLOCK_G=triton.next_power_of_2(groups) if groups else 1,
                           BLOCK_K=triton.next_power_of_2(K))
-        kernel = compile_hopper(routing._route_kernel, SIGNATURE, constexprs, ["logits_ptr"], 4, 1)
+        kernel = compile_hopper(routing._route_kernel, SIGNATURE, constexprs, ["logits_ptr"], launch.num_warps, 1)
         spills = spill_bytes(kernel)
         print(f"route E{E} K{K} sigmoid {sigmoid} groups {groups}: spills {spills} B")
         if spills:

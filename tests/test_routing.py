@@ -105,10 +105,11 @@ def test_route_refuses_bad_input(kwargs, logits, words):
     assert words in str(e.value)
 
 
-def _both(logits, cfg, **kw):
+def _both(monkeypatch, logits, cfg, **kw):
     """(weights, ids) of the kernel and of the torch version for the same route arguments."""
+    monkeypatch.setattr(epmoe.routing, "_use_kernel", lambda logits_TE, E: True)
     got = epmoe.route(logits, cfg, **kw)
-    epmoe.routing._use_kernel = lambda logits_TE, E: False
+    monkeypatch.setattr(epmoe.routing, "_use_kernel", lambda logits_TE, E: False)
     return got, epmoe.route(logits, cfg, **kw)
 
 
@@ -133,46 +134,57 @@ def _choice(logits, scoring, bias=None):
     return scores if bias is None else scores + bias.float()
 
 
-@pytest.mark.parametrize("E, K, kw", [
-    (16, 4, dict(renormalize=False)),
-    (64, 6, dict()),
-    (60, 5, dict(num_groups=6, topk_groups=2)),  # groups of 10 experts (not a power of two)
-    (64, 8, dict(num_groups=8, topk_groups=3, renormalize=False)),
-    (64, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5)),
-    (16, 16, dict(scoring="sigmoid")),  # K = E
-    (24, 3, dict(scoring="sigmoid", num_groups=24, topk_groups=5)),  # groups of one expert
+@pytest.mark.parametrize("E, K, kw, dtype", [
+    (16, 4, dict(renormalize=False), torch.bfloat16),  # bf16: equal logits, either expert of a tie
+    (64, 6, dict(), torch.bfloat16),
+    (60, 5, dict(num_groups=6, topk_groups=2), torch.float32),  # groups of 10 experts (not a power of two)
+    (64, 8, dict(num_groups=8, topk_groups=3, renormalize=False), torch.float32),
+    (64, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, routed_scaling_factor=2.5), torch.float32),
+    (16, 16, dict(scoring="sigmoid"), torch.bfloat16),  # K = E
+    (24, 3, dict(scoring="sigmoid", num_groups=24, topk_groups=5), torch.float16),  # groups of one expert
+    (1000, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4), torch.float32),  # 4 tokens a program
 ])
 @pytest.mark.parametrize("T", [1, 37])
-def test_kernel_matches_torch_on_random_logits(version, E, K, kw, T):
+def test_kernel_matches_torch_on_random_logits(version, monkeypatch, E, K, kw, dtype, T):
+    """Grouped cases in float32: a tie between group scores would let the versions keep different
+    groups (the check allows ties between experts only)."""
     if version == "torch":
         pytest.skip("compares the two versions")
     g = torch.Generator().manual_seed(E * 100 + T)
     cfg_kw = {k: v for k, v in kw.items() if k != "routed_scaling_factor"}
     cfg = _cfg(E, K, **cfg_kw)
-    logits = torch.randn(T, E + 3, generator=g)[:, 3:]  # a row stride other than E
-    bias = torch.randn(E, generator=g) * 0.1 if cfg.scoring == "sigmoid" else None
+    logits = torch.randn(T, E + 3, generator=g)[:, 3:].to(dtype)  # a row stride other than E
+    bias = (torch.randn(E, 2, generator=g) * 0.1)[:, 0] if cfg.scoring == "sigmoid" else None  # stride 2
     route_kw = {"correction_bias_E": bias, "routed_scaling_factor": kw.get("routed_scaling_factor", 1.0)}
-    logits = logits.to(torch.bfloat16)  # ties (equal bf16 logits): each version may take either expert
-    got, want = _both(logits, cfg, **route_kw)
+    got, want = _both(monkeypatch, logits, cfg, **route_kw)
     _assert_same_choice(got, want, _choice(logits, cfg.scoring, bias))
     assert all(len(set(row)) == K for row in got[1].tolist())
 
 
-def test_kernel_keeps_ids_distinct_and_in_range_on_nan_logits(version):
+def test_kernel_ranks_nan_scores_first_as_torch_topk_does(version, monkeypatch):
+    """A NaN score ranks above every number (torch.topk's order) and makes its row's weights NaN (after
+    renormalization, all of them); ids stay distinct and in range; other rows are untouched."""
     if version == "torch":
-        pytest.skip("the kernel's own fallback")
-    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+        pytest.skip("compares the two versions")
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
     logits[1] = float("nan")
     logits[2, 5] = float("nan")
-    w, ids = route_topk(logits, 4, sigmoid=True, correction_bias_E=None, num_groups=4, topk_groups=2,
-                        renormalize=True, routed_scaling_factor=1.0)
+    logits[3, 9] = float("nan")
+    cfg = _cfg(32, 4, scoring="sigmoid", num_groups=4, topk_groups=2)
+    (w, ids), (w_ref, ids_ref) = _both(monkeypatch, logits, cfg)
     for row in ids.tolist():
         assert len(set(row)) == 4 and all(0 <= i < 32 for i in row)
-    assert w[1].isnan().all() and not w[0].isnan().any()
+    assert w[1:].isnan().all() and w_ref[1:].isnan().all()
+    assert ids[2, 0] == ids_ref[2, 0] == 5 and ids[3, 0] == ids_ref[3, 0] == 9
+    torch.testing.assert_close(w[0], w_ref[0])
+    assert torch.equal(ids[0], ids_ref[0])
+    w, _ = route_topk(logits[3:], 4, sigmoid=True, correction_bias_E=None, num_groups=4, topk_groups=2,
+                      renormalize=False, routed_scaling_factor=1.0)
+    assert w[0, 0].isnan() and not w[0, 1:].isnan().any()  # without renormalization only the NaN pick
 
 
 @pytest.mark.gpu
-def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version):
+def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
     """4096 tokens, 256 experts, DeepSeek-V3's grouped sigmoid choice with a bias (and softmax top-8)."""
     if version == "torch":
         pytest.skip("compares the two versions")
@@ -182,9 +194,16 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version):
     for cfg, b in [(_cfg(256, 8, scoring="sigmoid", num_groups=8, topk_groups=4), bias),
                    (_cfg(256, 8), None), (_cfg(128, 8, renormalize=False), None)]:
         x = logits[:, :cfg.num_experts]
-        got, want = _both(x, cfg, correction_bias_E=b)
-        epmoe.routing._use_kernel = lambda logits_TE, E: True
+        got, want = _both(monkeypatch, x, cfg, correction_bias_E=b)
         _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
+    monkeypatch.undo()  # route's own choice of version from here
+    w, _ = epmoe.route(logits.clone().requires_grad_(), _cfg(256, 8))
+    assert w.requires_grad  # logits that need a gradient take the torch version
+    if torch.cuda.device_count() > 1:  # logits on another GPU than the current one
+        x = logits.to("cuda:1")
+        got, want = epmoe.route(x, _cfg(256, 8)), epmoe.routing._route_torch(x, 8, "softmax", None, None, None,
+                                                                             True, 1.0)
+        _assert_same_choice(got, want, _choice(x, "softmax"))
 
 
 def test_kernel_compiles_for_hopper(version):

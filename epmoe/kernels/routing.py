@@ -1,11 +1,14 @@
 """Top-k routing in one Triton kernel: scores, bias, group choice, top-k, weights, renormalization and
 scaling of a block of tokens per program, in registers (epmoe.routing.route's torch version takes ~16
-launches, which pace a host-synced layer: ~450-700 µs of host time per call at 4096 tokens on the
-2 x H200 machine, against ~150 µs of GPU work).
+launches, which pace a layer timed from an idle GPU: ~350-700 µs of host time per call at 4096 tokens
+on the 2 x H200 machines, against ~210 µs of GPU work; scripts/route_probe.py).
 
 Shape letters: T tokens, E experts, K top-k, G expert groups.
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -14,6 +17,22 @@ import triton.language as tl
 # Experts of one row, at most: a program holds its rows' E scores in registers.
 MAX_EXPERTS = 4096
 _ELEMENTS_PER_PROGRAM = 4096  # BLOCK_T * BLOCK_E
+
+
+@dataclass(frozen=True)
+class RouteLaunch:
+    """Launch configuration of `_route_kernel`: BLOCK_T tokens of BLOCK_E (>= E) scores per program."""
+
+    block_t: int
+    block_e: int
+    num_warps: int = 4
+
+
+def route_launch(num_tokens: int, num_experts: int) -> RouteLaunch:
+    """_ELEMENTS_PER_PROGRAM scores per program (fewer tokens than that take one program)."""
+    block_e = triton.next_power_of_2(num_experts)
+    return RouteLaunch(block_t=min(max(1, _ELEMENTS_PER_PROGRAM // block_e), triton.next_power_of_2(num_tokens)),
+                       block_e=block_e)
 
 
 @triton.jit
@@ -51,6 +70,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_t, scale,
         p = tl.exp(x - tl.max(x, 1)[:, None])
         score = p / tl.sum(p, 1)[:, None]
         choice = score
+    choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks first, as in torch.topk
     avail = tl.broadcast_to(col_ok[None, :], (BLOCK_T, BLOCK_E))
 
     if GROUPS > 0:
@@ -81,8 +101,9 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_t, scale,
         ids = tl.where(kcols[None, :] == k, pick[:, None], ids)
         weights = tl.where(kcols[None, :] == k, tl.sum(tl.where(hit, score, 0.0), 1)[:, None], weights)
         avail = avail & (~hit)
-    if RENORMALIZE:
-        weights = weights / tl.maximum(tl.sum(weights, 1), 1e-20)[:, None]
+    if RENORMALIZE:  # a NaN weight makes the row's sum and so every weight NaN, as in the torch version
+        total = tl.sum(weights, 1)
+        weights = weights / tl.where(total != total, total, tl.maximum(total, 1e-20))[:, None]
     out = rows.to(tl.int64)[:, None] * K + kcols[None, :]
     out_ok = row_ok[:, None] & (kcols < K)[None, :]
     tl.store(w_ptr + out, weights * scale, mask=out_ok)
@@ -104,7 +125,8 @@ def route_topk(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, correction
 
     Returns:
         weights_TK float32 [T, K] and ids_TK int32 [T, K] on logits_TE's device, the K columns in
-        descending order of the choice score (of two equal scores, the lower expert id first).
+        descending order of the choice score (of two equal scores, the lower expert id first; NaN
+        scores first, as torch.topk ranks them, with NaN weights).
     """
     T, E = logits_TE.shape
     if E > MAX_EXPERTS:
@@ -116,14 +138,14 @@ def route_topk(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, correction
     if T == 0:
         return weights_TK, ids_TK
     grouped = num_groups is not None and topk_groups < num_groups
-    block_e = triton.next_power_of_2(E)
-    block_t = min(max(1, _ELEMENTS_PER_PROGRAM // block_e), triton.next_power_of_2(T))
-    bias = correction_bias_E if correction_bias_E is not None else logits_TE  # placeholder when unused
-    _route_kernel[(triton.cdiv(T, block_t),)](
-        logits_TE, bias, weights_TK, ids_TK, T, E, logits_TE.stride(0), float(routed_scaling_factor),
-        K=top_k, SIGMOID=sigmoid, HAS_BIAS=correction_bias_E is not None, GROUPS=num_groups if grouped else 0,
-        GROUP_SIZE=E // num_groups if grouped else 1, TOPK_GROUPS=topk_groups if grouped else 0,
-        RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_G=triton.next_power_of_2(num_groups) if grouped else 1, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4)
+    launch = route_launch(T, E)
+    bias = correction_bias_E.contiguous() if correction_bias_E is not None else logits_TE  # placeholder if unused
+    with torch.cuda.device(logits_TE.device) if logits_TE.is_cuda else nullcontext():  # Triton's launch device
+        _route_kernel[(triton.cdiv(T, launch.block_t),)](
+            logits_TE, bias, weights_TK, ids_TK, T, E, logits_TE.stride(0), float(routed_scaling_factor),
+            K=top_k, SIGMOID=sigmoid, HAS_BIAS=correction_bias_E is not None, GROUPS=num_groups if grouped else 0,
+            GROUP_SIZE=E // num_groups if grouped else 1, TOPK_GROUPS=topk_groups if grouped else 0,
+            RENORMALIZE=renormalize, BLOCK_T=launch.block_t, BLOCK_E=launch.block_e,
+            BLOCK_G=triton.next_power_of_2(num_groups) if grouped else 1, BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=launch.num_warps)
     return weights_TK, ids_TK
