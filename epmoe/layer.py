@@ -137,18 +137,18 @@ class FusedMoE(torch.nn.Module):
             raise ValueError("give logits_TE, or both weights_TK and ids_TK")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
+        if logits_TE is None:
+            check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+        else:
+            check_x(self.cfg, x_TD)
+            check_logits(logits_TE, self.cfg.num_experts, correction_bias_E, self.cfg.scoring)
+            if logits_TE.shape[0] != x_TD.shape[0]:
+                raise ValueError(f"logits_TE has {logits_TE.shape[0]} rows, x_TD {x_TD.shape[0]}")
         T = x_TD.shape[0]
         if self.world_size > 1 and not self.dispatcher.needs_host_sync and T > self.cfg.max_tokens_per_rank:
             raise ValueError(f"dispatcher {self.dispatcher.name!r} takes at most max_tokens_per_rank="
                              f"{self.cfg.max_tokens_per_rank} tokens per call, got {T} (it has no host sync to "
                              "agree on a chunk count with the other ranks)")
-        if logits_TE is None:
-            check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
-            return
-        check_x(self.cfg, x_TD)
-        check_logits(logits_TE, self.cfg.num_experts, correction_bias_E, self.cfg.scoring)
-        if logits_TE.shape[0] != x_TD.shape[0]:
-            raise ValueError(f"logits_TE has {logits_TE.shape[0]} rows, x_TD {x_TD.shape[0]}")
 
     def forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None = None, *,
                 weights_TK: torch.Tensor | None = None, ids_TK: torch.Tensor | None = None,

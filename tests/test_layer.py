@@ -170,7 +170,11 @@ def _no_sync_dispatcher_refuses_a_second_chunk(ctx) -> bool:
     moe.shared_experts.register_forward_hook(lambda module, inputs, out: calls.append(inputs[0].shape))
     with pytest.raises(ValueError, match="no host sync to agree on a chunk count"):
         moe(torch.randn(5, 8), torch.randn(5, 4))
+    with pytest.raises(ValueError, match="x_TD must be"):
+        moe(torch.tensor(1.0), torch.randn(1, 4))
     assert calls == []
+    with pytest.raises(ValueError, match="another group"):
+        epmoe.FusedMoE(cfg, None, dispatcher=d)
     return moe(torch.randn(4, 8), torch.randn(4, 4)).shape == (4, 8)
 
 

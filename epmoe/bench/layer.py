@@ -6,11 +6,11 @@ Every rank runs its T tokens (default on GPUs: DeepSeek-V3's layer, T=4096) thro
 available dispatcher; the baseline is the same rank running the same tokens alone with the `local`
 dispatcher and all E experts (what one GPU holding the whole layer would do). Where `ht` runs, also
 `ht(sync_free)`: the same dispatcher without its host sync (the batch sized for the worst case); and
-every layer with no host sync (`ll`, `ht(sync_free)`) once more captured in a CUDA graph (`+graph`: one
-replay per call, no host work in it). Time: the slowest rank's median over --repeats calls after
---warmup calls, each call between device synchronizations and lined up by a barrier. Inputs are not
-rotated: each call streams the experts' weights (far beyond L2) anyway. Writes layer.json into --out
-when given.
+the layers built for capture (`ll`, `ht(sync_free)`, with `triton` experts) once more captured in a
+CUDA graph (`+graph`: one replay per call, no host work in it). Time: the slowest rank's median over
+--repeats calls after --warmup calls, each call between device synchronizations and lined up by a
+barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
+Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -28,8 +29,12 @@ import torch
 from .._table import format_table
 from ..dispatch.ht import HtDispatcher
 from ..launch import RankContext
+from ..registry import make_dispatcher
 from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, max_over_ranks,
                        median_ms, plan, rank_inputs, rel_error)
+
+# layers also replayed as CUDA graphs: those whose dispatcher is built for capture (with triton experts)
+GRAPH_DISPATCHERS = ("ll", "ht(sync_free)")
 
 
 def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
@@ -51,19 +56,19 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
     gc.collect()
 
     todo = plan(cfg, group, dev, experts=[experts])
-    runs = [(d_name, d_name, e_name) for d_name, e_name in todo.runs]
+    runs = [(d_name, functools.partial(make_dispatcher, d_name, cfg, group), e_name)
+            for d_name, e_name in todo.runs]
     # ht also without its host sync (the worst-case batch), as a CUDA-graph-captured layer would run it
-    runs += [("ht(sync_free)", lambda: HtDispatcher(cfg, group, sync_free=True), e_name)
+    runs += [("ht(sync_free)", functools.partial(HtDispatcher, cfg, group, sync_free=True), e_name)
              for d_name, e_name in todo.runs if d_name == "ht"]
     results = []
-    for d_name, dispatcher, e_name in runs:
-        moe = build_layer(cfg, weights, group, dispatcher if isinstance(dispatcher, str) else dispatcher(), e_name,
-                          dev)
+    for d_name, make, e_name in runs:
+        moe = build_layer(cfg, weights, group, make(), e_name, dev)
         err = max_over_ranks(rel_error(moe(x_TD, logits_TE, correction_bias_E=bias_E), base_TD), group, dev)
         ms = timed(moe)
         results.append({"dispatcher": d_name, "experts": e_name, "ms": ms, "baseline_ms": base_ms,
                         "speedup_vs_baseline": base_ms / ms, "rel_err_vs_baseline": err})
-        if dev.type == "cuda" and not moe.dispatcher.needs_host_sync:
+        if dev.type == "cuda" and d_name in GRAPH_DISPATCHERS and e_name == "triton":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out_TD = moe(x_TD, logits_TE, correction_bias_E=bias_E)

@@ -34,7 +34,9 @@ def sort_pairs(local_ids_PK: torch.Tensor, num_local_experts: int) -> PairOrder:
     flat = local_ids_PK.reshape(-1).long()
     key = torch.where(flat < 0, torch.full_like(flat, L), flat)
     pair_N = torch.argsort(key, stable=True)
-    counts_L = torch.bincount(key, minlength=L + 1)[:L].to(torch.int32)
+    # not torch.bincount, which reads the largest key on the host on a GPU
+    counts_L = torch.zeros(L + 1, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))[:L]
     offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=flat.device)
     torch.cumsum(counts_L, 0, out=offsets_L1[1:])
     return PairOrder(pair_N=pair_N, counts_L=counts_L, offsets_L1=offsets_L1, slots=local_ids_PK.shape[1])
