@@ -27,12 +27,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
 import epmoe.experts.triton as triton_experts
 import epmoe.kernels.grouped_gemm as grouped_gemm
 import epmoe.kernels.ht as ht_kernels
 import epmoe.layer
-from torch.profiler import ProfilerActivity, profile
-
 from epmoe.bench.dispatch import NVLINK_ENV
 from epmoe.launch import spawn
 from epmoe.layer import FusedMoE
@@ -143,16 +143,15 @@ def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
             marks.mark("chunk count read <")
             return n
         return marked_read
+    marked = [(moe.shared_experts, "forward", "shared experts"), (moe.experts, "_forward", "experts"),
+              (moe.dispatcher, "combine", "combine"), (epmoe.layer, "route", "route"),
+              (triton_experts, "gate_up", "gate_up"), (triton_experts, "down", "down")]
+    marked += [(moe.dispatcher, attr, attr.lstrip("_")) for attr in ("_dispatch_send", "_batch_size", "_dispatch_recv")
+               if hasattr(moe.dispatcher, attr)]
+    marked += _deep_marks(moe) if args.deep else []
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in marked]  # restored before --cprofile
+    saved.append((moe, "_start_chunk_count", start_chunk_count))
     moe._start_chunk_count = chunk_count
-    marks.wrap(moe.shared_experts, "forward", "shared experts")
-    marks.wrap(moe.experts, "_forward", "experts")
-    marks.wrap(moe.dispatcher, "combine", "combine")
-    for attr in ("_dispatch_send", "_batch_size", "_dispatch_recv"):
-        if hasattr(moe.dispatcher, attr):
-            marks.wrap(moe.dispatcher, attr, attr.lstrip("_"))
-    marked = [(epmoe.layer, "route", "route"), (triton_experts, "gate_up", "gate_up"),
-              (triton_experts, "down", "down")] + (_deep_marks(moe) if args.deep else [])
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in marked]
     for owner, attr, label in marked:
         marks.wrap(owner, attr, label)
     runs = []
