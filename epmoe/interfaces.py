@@ -104,13 +104,12 @@ def check_x(cfg: MoEConfig, x_TD: torch.Tensor) -> None:
         raise ValueError(f"x_TD dtype {x_TD.dtype} does not match cfg.dtype {cfg.dtype}")
 
 
-def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 check_range: bool = True) -> None:
+def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
 
-    Reads ids_TK's min and max on the host (one sync) to check the range, unless check_range is False
-    (ids that are in range by construction, such as epmoe.routing.route's) or a CUDA graph is being
-    captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1).
+    Reads ids_TK's min and max on the host (one sync) to check the range, unless a CUDA graph is being
+    captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1). Ids that
+    are in range by construction (epmoe.routing.route's) need only `check_x` (FusedMoE).
     """
     K, E = cfg.top_k, cfg.num_experts
     check_x(cfg, x_TD)
@@ -127,7 +126,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_range and T and ids_TK.numel() and not capturing:
+    if T and ids_TK.numel() and not capturing:
         lo, hi = torch.stack(torch.aminmax(ids_TK)).tolist()  # one host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi

@@ -467,8 +467,8 @@ class HtDispatcher(Dispatcher):
     def _dispatch_send_rows_first(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
         """Dense mode over a process group. The rows go first, on the stream itself (row t to row t at
         every rank, then the flags; `_send_dense_rows`): queued behind an event on a stream of its own,
-        the copy engine's copy started ~10 µs after the event's work on H200. The side stream meanwhile numbers the pairs
-        (the epoch: `calls`, the host's count, is the device's), copies this rank's own rows on the SMs
+        the copy engine's copy started ~10 µs after the event's work on H200. The side stream meanwhile
+        numbers the pairs (the epoch: `calls`, the host's count, is the device's), copies this rank's own rows on the SMs
         (copy engine) and makes the layout; the stream waits for the numbering and own rows (so that
         x_TD is the caller's again after dispatch_send, in stream order, and the wait for the rows reads
         this call's epoch).

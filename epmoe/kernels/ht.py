@@ -10,10 +10,11 @@ The sender numbers its (token, destination) pairs in two kernels (per-block coun
 over blocks), the second of which also sends, ahead of the rows, each destination's token and pair
 counts and the tokens' ids and weights (signalled once, by its last program to finish); then the rows'
 kernel (dense mode: the rows' kernel first, `dispatch_send_dense`, the numbering beside it). So the
-receiver knows its batch size and lays the batch out while the rows travel. The layout (expert-sorted batch) costs work proportional to the (row, slot) pairs
-received, not to the capacity, and moves no rows: a count kernel and a place kernel visit blocks of
-received rows (blocks past a source's count do nothing) and write each batch row's index into the
-receive buffer, which the experts read through; the counts are read on the device.
+receiver knows its batch size and lays the batch out while the rows travel. The layout (expert-sorted
+batch) costs work proportional to the (row, slot) pairs received, not to the capacity, and moves no
+rows: a count kernel and a place kernel visit blocks of received rows (blocks past a source's count
+do nothing) and write each batch row's index into the receive buffer, which the experts read through;
+the counts are read on the device.
 
 The combine is one kernel of items taken by ticket (`_combine_kernel`): remote items send peers their
 tokens' partial rows, local items, trailing them, sum this rank's tokens as their partial rows arrive.
