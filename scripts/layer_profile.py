@@ -135,7 +135,9 @@ def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
     start_chunk_count = moe._start_chunk_count
 
     def chunk_count(*a):
+        marks.mark("chunk count start >")
         read = start_chunk_count(*a)
+        marks.mark("chunk count start <")
 
         def marked_read():
             marks.mark("chunk count read >")
