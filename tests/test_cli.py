@@ -1,4 +1,5 @@
 """The `epmoe` command on CPU: demo and check on two gloo ranks, bench delegation."""
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,12 @@ def test_bench_layer_writes_json(tmp_path):
              "--topk-groups", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "layer.json").exists() and "local/reference" in r.stdout
+    record = json.loads((tmp_path / "layer.json").read_text())
+    pairs = 5 * record["spec"]["top_k"]  # the router gives every token top_k distinct experts
+    load = record["load"]
+    assert load["rows_per_rank"] == [pairs] and load["rows_per_expert"]["mean"] == pairs / 8
+    assert 0 <= load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"]
+    assert f"per rank {pairs} (largest / mean 1.00)" in r.stdout
 
 
 def test_bench_unknown_stage_and_missing_module(monkeypatch, capsys):

@@ -10,6 +10,8 @@ the layers built for capture (`ll`, `ht(sync_free)`, with `triton` experts) once
 CUDA graph (`+graph`: one replay per call, no host work in it). Time: the slowest rank's median over
 --repeats calls after --warmup calls, each call between device synchronizations and lined up by a
 barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
+Also printed: how evenly the inputs route, (token, expert) rows per expert and per rank: the rank
+with the most rows has the longest expert GEMMs, and every rank's combine waits for it.
 Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
@@ -25,16 +27,32 @@ import os
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from .._table import format_table
 from ..dispatch.ht import HtDispatcher
 from ..launch import RankContext
 from ..registry import make_dispatcher
+from ..routing import route
 from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, max_over_ranks,
                        median_ms, plan, rank_inputs, rel_error)
 
 # layers also replayed as CUDA graphs: those whose dispatcher is built for capture (with triton experts)
 GRAPH_DISPATCHERS = ("ll", "ht(sync_free)")
+
+
+def _expert_load(cfg, logits_TE: torch.Tensor, bias_E: torch.Tensor, group) -> dict:
+    """How evenly the inputs route: (token, expert) rows per expert over all ranks' tokens, and per rank
+    of the expert-parallel layer (the rows its experts get). A rank with more rows has longer expert
+    GEMMs, and every rank's combine waits for it. One all-reduce, outside the timed calls."""
+    _, ids_TK = route(logits_TE, cfg, correction_bias_E=bias_E)
+    ids = ids_TK.flatten().long()
+    rows_E = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
+    dist.all_reduce(rows_E, group=group)
+    rows_R = rows_E.view(dist.get_world_size(group), -1).sum(1)
+    return {"rows_per_expert": {"min": int(rows_E.min()), "median": int(rows_E.median()), "max": int(rows_E.max()),
+                                "mean": float(rows_E.float().mean())},
+            "rows_per_rank": rows_R.tolist()}
 
 
 def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
@@ -43,6 +61,7 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
     inputs = rank_inputs(spec, ctx.rank, ctx.world_size, dev)
     cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     bias_E = weights.correction_bias_E
+    load = _expert_load(cfg, logits_TE, bias_E, group)
 
     def timed(moe) -> float:
         return max_over_ranks(median_ms(lambda: moe(x_TD, logits_TE, correction_bias_E=bias_E), repeats, dev,
@@ -92,13 +111,17 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
                       f"{r['speedup_vs_baseline']:.2f}", f"{r['rel_err_vs_baseline']:.1e}"] for r in results]
         print(format_table(["path", "ms/layer", "baseline/this", "rel err"], rows_out))
         print(f"ms/layer: the slowest rank's median of {repeats} calls after {warmup} warm-up calls")
+        e, r = load["rows_per_expert"], load["rows_per_rank"]
+        print(f"routing: (token, expert) rows per expert min / median / max {e['min']} / {e['median']} / {e['max']} "
+              f"(mean {e['mean']:.0f}); per rank {' / '.join(map(str, r))} (largest / mean "
+              f"{max(r) * len(r) / max(sum(r), 1):.2f})")
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             record = {"bench": "layer", "device": dev.type, "device_name": _device_name(dev),
                       "world_size": ctx.world_size, "torch": torch.__version__,
                       "spec": {k: str(v) if isinstance(v, torch.dtype) else v
                                for k, v in dataclasses.asdict(spec).items()},
-                      "baseline": {"path": base_name, "ms": base_ms}, "results": results,
+                      "baseline": {"path": base_name, "ms": base_ms}, "results": results, "load": load,
                       "skipped": [list(s) for s in todo.skipped]}
             with open(os.path.join(out_dir, "layer.json"), "w") as f:
                 json.dump(record, f, indent=2)
