@@ -137,15 +137,19 @@ class Dispatcher(ABC):
     """Moves tokens to the ranks owning their experts and brings the weighted results back.
 
     Subclasses declare `name`, `layout`, `supports_fp8_dispatch` and implement `_dispatch`/`_combine`;
-    the public methods validate first. No per-call state is kept on `self`: everything combine needs
-    travels in the returned ExpertBatch's handle. All ranks of the group must call dispatch and
-    combine the same number of times, in the same order (T may differ, and may be 0).
+    the public methods validate first. `needs_host_sync`: whether a dispatch syncs the host (sizing
+    its batch); `agrees_chunks`: whether it can also carry its caller's chunk count to every rank
+    (`dispatch_checked(..., chunks=n)`, `agreed_chunks`), which FusedMoE then needs no collective for.
+    No per-call state is kept on `self`: everything combine needs travels in the returned
+    ExpertBatch's handle. All ranks of the group must call dispatch and combine the same number of
+    times, in the same order (T may differ, and may be 0).
     """
 
     name: ClassVar[str]
     layout: ClassVar[Layout]
     supports_fp8_dispatch: ClassVar[bool] = False
     needs_host_sync: ClassVar[bool] = True
+    agrees_chunks: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None = None,
                  **options: Any) -> None:
@@ -181,11 +185,31 @@ class Dispatcher(ABC):
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
         return self.dispatch_checked(x_TD, ids_TK, weights_TK)
 
-    def dispatch_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
+    def dispatch_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                         chunks: int | None = None) -> ExpertBatch:
         """`dispatch` for inputs the caller already passed through check_tokens, with T <=
         cfg.max_tokens_per_rank, on the dispatcher's device (FusedMoE checks once per call, for all its
-        chunks): no second validation, so no second host sync."""
-        return self._dispatch(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+        chunks): no second validation, so no second host sync.
+
+        chunks: with `agrees_chunks` only (ValueError otherwise): how many chunks the caller splits its
+        call into on this rank (>= 1), sent along with the dispatch; `agreed_chunks(batch)` is then the
+        largest count of any rank, so that every rank runs as many chunks."""
+        args = (x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+        if chunks is None:
+            return self._dispatch(*args)
+        if not self.agrees_chunks:
+            raise ValueError(f"dispatcher {self.name!r} agrees no chunk count (agrees_chunks is False)")
+        return self._dispatch(*args, chunks=chunks)
+
+    def agreed_chunks(self, batch: ExpertBatch) -> int:
+        """The largest `chunks` any rank passed to `dispatch_checked` for the dispatch that returned
+        batch (dispatchers with `agrees_chunks`; known on the host with the batch, no sync of its own)."""
+        if not self.agrees_chunks:
+            raise ValueError(f"dispatcher {self.name!r} agrees no chunk count (agrees_chunks is False)")
+        return self._agreed_chunks(batch)
+
+    def _agreed_chunks(self, batch: ExpertBatch) -> int:
+        raise NotImplementedError(f"dispatcher {self.name!r} sets agrees_chunks but has no _agreed_chunks")
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         """Return expert outputs to their source ranks and sum them per token with the top-k weights.

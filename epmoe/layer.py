@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
-from .interfaces import Dispatcher, check_pairing, check_tokens, check_x
+from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
 from .symm import group_rank_world
@@ -100,16 +100,23 @@ class FusedMoE(torch.nn.Module):
         lo, hi = self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
         self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
 
-    def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[], int]:
-        """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader. With R > 1 and a
-        dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of its
-        own), which the reader waits for (a host sync): called after the host has queued the first chunk,
-        it finds the all-reduce's round trip over."""
+    def _agrees_chunks(self) -> bool:
+        """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""
+        return self.world_size > 1 and self.dispatcher.agrees_chunks
+
+    def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[ExpertBatch], int]:
+        """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader, which takes the
+        first chunk's batch. With R > 1: the dispatcher's own agreement (the count went with the first
+        dispatch, `_agrees_chunks`), else, for a dispatcher that syncs the host anyway, an all-reduce
+        queued now (on a GPU on a stream of its own), which the reader waits for (a host sync): called
+        after the host has queued the first chunk, it finds the all-reduce's round trip over."""
         chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
         if self.world_size == 1:
-            return lambda: chunks
+            return lambda batch: chunks
         if not self.dispatcher.needs_host_sync:  # one chunk (`_check_inputs` refused more tokens)
-            return lambda: 1
+            return lambda batch: 1
+        if self._agrees_chunks():
+            return self.dispatcher.agreed_chunks
         # The count depends on T alone, known here: on a GPU the all-reduce runs on a stream of its own, so
         # that its read waits for the other ranks' hosts to get here, not for the work queued on the stream
         # (the host keeps queueing ahead of the GPU).
@@ -120,7 +127,7 @@ class FusedMoE(torch.nn.Module):
             n = torch.full((1,), chunks, dtype=torch.int64, device=device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
 
-        def read() -> int:
+        def read(batch: ExpertBatch) -> int:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 return int(n.item())
         return read
@@ -173,15 +180,16 @@ class FusedMoE(torch.nn.Module):
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
+        mine = max(1, -(-T // step)) if self._agrees_chunks() else None  # sent with each dispatch
         out_TD = torch.empty_like(x_TD)
         chunk, num_chunks = 0, None
         while chunk != num_chunks:
             lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
-            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=mine)
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
             # every rank has at least one chunk: the agreed count is read once the first one is queued (a
             # host sync on the all-reduce, over by then, rather than one between routing and dispatch)
-            num_chunks = num_chunks or chunks()
+            num_chunks = num_chunks or chunks(batch)
             chunk += 1
         if self.cfg.routed_scaling_factor != 1.0:
             out_TD.mul_(self.cfg.routed_scaling_factor)

@@ -139,9 +139,9 @@ def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
         read = start_chunk_count(*a)
         marks.mark("chunk count start <")
 
-        def marked_read():
+        def marked_read(batch):
             marks.mark("chunk count read >")
-            n = read()
+            n = read(batch)
             marks.mark("chunk count read <")
             return n
         return marked_read

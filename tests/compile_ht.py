@@ -68,8 +68,8 @@ def main() -> None:
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
             k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
-                                         flag_ptr="*i64", pairs_ptr="*i32", size_ptr="*i64", err_ptr="*i32",
-                                         timeout_ns="i64", C="i32", NB="i32"),
+                                         flag_ptr="*i64", pairs_ptr="*i32", chunks_ptr="*i32", size_ptr="*i64",
+                                         err_ptr="*i32", timeout_ns="i64", C="i32", NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"],
             4, 1), failures, False)
         BL = triton.next_power_of_2(L)
@@ -95,8 +95,8 @@ def main() -> None:
                 k._number_fix_kernel,
                 dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
                      epoch_ptr="*i32", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
-                     recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", T="i32", NT="i32", rank="i32",
-                     C="i32"),
+                     chunks_peers="*i64", recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", T="i32",
+                     NT="i32", rank="i32", chunks="i32", C="i32"),
                 dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
                      BLOCK_NT=k.NUMBER_STEP, DENSE=dense), ["ids_ptr", "w_ptr", "slot_ptr", "table_ptr"], 4, 1),
                 failures, False)

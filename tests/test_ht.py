@@ -25,7 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 from epmoe.config import MoEConfig
 from epmoe.kernels.sync import DeviceWait
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
-from epmoe.registry import list_dispatchers
+from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
 from gpu_ranks import gpu_test_ranks, multiple_of
 
@@ -259,6 +259,40 @@ def test_repeated_expert_ids():
         check_round_trip(cfg, dispatchers, inputs)
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_chunk_counts_travel_with_the_dispatch(dense):
+    """Each rank's caller's chunk count goes with its dispatch; every rank's batch carries the largest
+    (`agreed_chunks`), per call (parities alternate), with the rows still exact; a sync_free dispatcher
+    agrees none, and a dispatcher without agrees_chunks refuses a count."""
+    cfg = _cfg(E=6, K=2, D=32, C=4)
+    dispatchers = make_world(cfg, 3, dense=dense)
+    inputs = [exact_inputs(cfg, r, T, "random", seed=3, device=_EMU_DEVICE) for r, T in enumerate([4, 0, 2])]
+    for counts in ([1, 5, 2], [3, 1, 1], [1, 1, 1]):
+        pending = [d.dispatch_send(*inp, chunks=c) for d, inp, c in zip(dispatchers, inputs, counts)]
+        batches = [d.dispatch_recv(p) for d, p in zip(dispatchers, pending)]
+        assert [d.agreed_chunks(b) for d, b in zip(dispatchers, batches)] == [max(counts)] * 3
+        for d, b in enumerate(batches):
+            rows, _ = expected_batch_rows(cfg, 3, d, inputs)
+            assert torch.equal(b.materialize().x.cpu(), torch.stack(rows) if rows else b.x[:0].cpu())
+        emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(batches)], batches)
+    with pytest.raises(ValueError, match="chunks must be in"):
+        dispatchers[0].dispatch_send(*inputs[0], chunks=0)
+    free = make_world(cfg, 2, sync_free=True)
+    assert not free[0].agrees_chunks
+    with pytest.raises(ValueError, match="agrees no chunk count"):
+        free[0].dispatch_send(*inputs[0], chunks=2)
+    batches = emulate_dispatch(free, inputs[:2])
+    with pytest.raises(ValueError, match="agrees no chunk count"):
+        free[0].agreed_chunks(batches[0])
+    local = make_dispatcher("local", cfg, None)
+    assert not local.agrees_chunks
+    x, ids, w = (t.cpu() for t in inputs[0])
+    with pytest.raises(ValueError, match="agrees no chunk count"):
+        local.dispatch_checked(x, ids, w, chunks=1)
+    with pytest.raises(ValueError, match="agrees no chunk count"):
+        local.agreed_chunks(local.dispatch_checked(x, ids, w))
+
+
 def test_two_dispatches_in_flight():
     """Batch n's rows, read through its row index, survive dispatch n+1 (the other parity of the receive
     buffer); both batches then combine in order."""
@@ -385,9 +419,15 @@ def test_sparse_mode_at_top8():
                                         for r, T in enumerate([6, 3])])
 
 
+def _size_word(epoch: int, chunks: int, low: int) -> int:
+    """A value of layout_count's size word: 7 bits of the epoch, 24 of the chunk count, 32 of the rows."""
+    return (epoch % 128) << 56 | chunks << 32 | low
+
+
 def test_host_poll_for_the_batch_size():
-    """The host's poll (process groups): it returns the size once its epoch's word is written (here by
-    another thread, after the poll started), takes no word of another epoch, and gives up with None
+    """The host's poll (process groups): it returns the size and chunk count once its epoch's word is
+    written (here by another thread, after the poll started), takes no word of another epoch (the word
+    of a parity holds epoch - 2's before; 7 bits of the epoch tell them apart), and gives up with None
     once the layout's event has completed without the word."""
     import ctypes
     import threading
@@ -400,17 +440,19 @@ def test_host_poll_for_the_batch_size():
 
         def query(self):
             return self.done
-    buf = torch.full((1,), 5 << 32 | 9, dtype=torch.int64)  # epoch 5's word
+    buf = torch.full((1,), _size_word(5, 1, 9), dtype=torch.int64)  # epoch 5's word
     word = ctypes.c_int64.from_address(buf.data_ptr())
     ready = Event()
-    writer = threading.Timer(5 * SIZE_POLL_CHECK_S, lambda: buf.fill_(7 << 32 | 42))
+    writer = threading.Timer(5 * SIZE_POLL_CHECK_S, lambda: buf.fill_(_size_word(7, 3, 42)))
     writer.start()
-    assert _poll_size(word, 7, ready) == 42
+    assert _poll_size(word, 7, ready) == (42, 3)
     writer.join()
     ready.done = True
     assert _poll_size(word, 9, ready) is None
-    buf.fill_(9 << 32 | 0xFFFFFFFF)  # a wait that gave up
-    assert _poll_size(word, 9, ready) == -1
+    buf.fill_(_size_word(9, 1, 0xFFFFFFFF))  # a wait that gave up
+    assert _poll_size(word, 9, ready) == (-1, 1)
+    buf.fill_(_size_word(130, (1 << 24) - 1, 2 ** 32 - 2))  # every field at its largest
+    assert _poll_size(word, 130, ready) == (2 ** 32 - 2, (1 << 24) - 1) and _poll_size(word, 128, ready) is None
 
 
 def test_batch_size_word_of_another_epoch_raises():
@@ -576,6 +618,7 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     C = max(T, 1)
     bufs = {name: [torch.full(shape, fill, dtype=dtype, device=_EMU_DEVICE) for _ in range(R)]
             for name, shape, fill, dtype in [("pairs", (2, R), -7, torch.int32), ("recv_count", (2, R), -7, torch.int32),
+                                             ("chunks", (2, R), -7, torch.int32),
                                              ("recv_ids", (2, R, C, K), -7, torch.int32),
                                              ("recv_w", (2, R, C, K), -7.0, torch.float32),
                                              ("meta_flag", (R,), 0, torch.int64)]}
@@ -583,7 +626,8 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
              for name, ts in bufs.items()}
     w = torch.rand(T, K, generator=g)
     done = torch.zeros(1, dtype=torch.int32, device=_EMU_DEVICE)
-    slot_TR, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), w.to(_EMU_DEVICE), seq, done, R, C, L, peers, rank)
+    slot_TR, epoch_1 = ht.number_pairs(ids.to(_EMU_DEVICE), w.to(_EMU_DEVICE), seq, done, R, C, L, peers, rank,
+                                       chunks=T + 3)
     assert seq.item() == 6 and epoch_1.item() == 6 and done.item() == 0  # the epoch advanced, counter reset
     dest = torch.where((ids >= 0) & (ids < R * L), ids.long() // L, R)
     wants_TR = torch.zeros(T, R + 1, dtype=torch.int32).scatter_(1, dest, 1)[:, :R]
@@ -595,6 +639,7 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
         assert pairs[0, rank].item() == int(hits_TR[:, r].sum())
         assert recv_count[0, rank].item() == int(wants_TR[:, r].sum())
         assert pairs[1].eq(-7).all() and recv_count[1].eq(-7).all()
+        assert bufs["chunks"][r][0, rank].item() == T + 3 and bufs["chunks"][r][1].eq(-7).all()
         assert bufs["meta_flag"][r].tolist() == [int(i == rank) for i in range(R)]  # one signal from `rank`
         sent = want[:, r] >= 0  # the ids (local to r, -1 elsewhere) and weights at the tokens' slots
         lid = torch.where((ids >= r * L) & (ids < (r + 1) * L), ids - r * L, -1)
@@ -603,17 +648,18 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     flags, pairs = bufs["meta_flag"], bufs["pairs"]
     flags[0].fill_(6)  # as if every rank had signalled epoch 6
     pairs[0][0] = torch.arange(R, dtype=torch.int32) * 10
+    bufs["chunks"][0][0] = torch.arange(R, dtype=torch.int32) + 11  # the largest: rank R - 1's
     wait = DeviceWait(err_1=torch.zeros(1, dtype=torch.int32, device=_EMU_DEVICE), timeout_ns=10 ** 6)
     blocks = ht.layout_blocks(C, K)
 
-    size_1 = torch.full((1,), 5 << 32, dtype=torch.int64, device=_EMU_DEVICE)  # epoch 5's size: 0 pairs
+    size_1 = torch.full((1,), _size_word(5, 1, 0), dtype=torch.int64, device=_EMU_DEVICE)  # epoch 5's: 0 pairs
 
     def count():  # rank 0's layout count: its per-block expert counts and the pairs it receives in all
         return ht.layout_count(bufs["recv_ids"][0], bufs["recv_count"][0], epoch_1, blocks, L, flags[0], pairs[0],
-                               size_1, wait)
-    assert ht.batch_size(int(size_1), 6) is None and ht.batch_size(int(size_1), 5) == 0
+                               bufs["chunks"][0], size_1, wait)
+    assert ht.batch_size(int(size_1), 6) is None and ht.batch_size(int(size_1), 5) == (0, 1)
     table = count()
-    assert ht.batch_size(int(size_1), 6) == 10 * R * (R - 1) // 2 and wait.err_1.item() == 0
+    assert ht.batch_size(int(size_1), 6) == (10 * R * (R - 1) // 2, R + 10) and wait.err_1.item() == 0
     assert ht.batch_size(int(size_1), 5) is None
     lid0 = torch.where((ids >= 0) & (ids < L), ids, -1)[want[:, 0] >= 0]  # rank 0's ids of the tokens sent there
     per_source = table.cpu().view(R, blocks.blocks_per_rank, L).sum(1)
@@ -621,7 +667,9 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     assert per_source[:rank].eq(0).all()  # recv_count of the other sources: -7, no rows
     flags[0][R - 1] = 5  # rank R - 1 has not signalled epoch 6: the wait gives up and says so
     count()
-    assert ht.batch_size(int(size_1), 6) == -1 and wait.err_1.item() == 1
+    assert ht.batch_size(int(size_1), 6) == (-1, R + 10) and wait.err_1.item() == 1
+    with pytest.raises(ValueError, match="chunks must be in"):
+        ht.number_pairs(ids.to(_EMU_DEVICE), w.to(_EMU_DEVICE), seq, done, R, C, L, peers, rank, chunks=1 << 24)
 
 
 def test_float32_dtype():

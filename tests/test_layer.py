@@ -184,6 +184,60 @@ def test_fused_moe_refuses_more_tokens_than_a_dispatcher_without_host_sync_takes
     assert all(spawn(_no_sync_dispatcher_refuses_a_second_chunk, 2, "cpu", (), timeout_s=120))
 
 
+def _layer_with_agreed_chunks(ctx) -> list[int]:
+    """FusedMoE over a dispatcher that agrees chunk counts itself (alltoall posing as one, as ht does,
+    its agreement an all-reduce inside each dispatch): the layer passes its own count with every chunk,
+    runs the agreed number (rank 0: 20 tokens in chunks of 8, rank 1: 3 tokens and two empty chunks),
+    queues no all-reduce of its own, and matches the single-rank result."""
+    import torch.distributed as dist
+    from epmoe.dispatch.alltoall import AllToAllDispatcher
+
+    class Agreeing(AllToAllDispatcher):
+        agrees_chunks = True
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.sent, self.agreed = [], []
+
+        def _dispatch(self, x_TD, ids_TK, weights_TK, chunks=None):
+            n = torch.tensor([chunks])
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+            self.sent.append(chunks)
+            self.agreed.append(int(n))
+            return super()._dispatch(x_TD, ids_TK, weights_TK)
+
+        def _agreed_chunks(self, batch):
+            return self.agreed[-1]
+
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32,
+                          max_tokens_per_rank=8)
+    weights = make_weights(cfg, 0, "cpu")
+    d = Agreeing(cfg, ctx.group)
+    moe = epmoe.FusedMoE(cfg, ctx.group, dispatcher=d, experts="reference", device="cpu",
+                         shared_experts=shared_expert(cfg, weights, "cpu"))
+    moe.load_experts(weights.w13_END, weights.w2_EDF)
+    tokens = [20, 3]
+    x_all, logits_all = make_tokens(cfg, 5, tokens, "cpu")
+    rows = rank_rows(tokens, ctx.rank)
+    all_reduce, reduces = dist.all_reduce, []
+
+    def counted(*args, **kwargs):
+        reduces.append(args[0].clone())
+        return all_reduce(*args, **kwargs)
+    dist.all_reduce = counted  # (a spawned process of its own)
+    out = moe(x_all[rows], logits_all[rows])
+    dist.all_reduce = all_reduce
+    assert len(reduces) == 3  # the dispatcher's own, one per chunk: none of the layer's
+    ref = reference_layer(cfg, weights, "cpu")(x_all[rows], logits_all[rows])
+    assert rel_error(out, ref) <= 1e-5
+    assert d.sent == [(3, 1)[ctx.rank]] * 3 and d.agreed == [3, 3, 3]
+    return d.sent
+
+
+def test_fused_moe_takes_the_chunk_count_a_dispatcher_agrees():
+    assert spawn(_layer_with_agreed_chunks, 2, "cpu", (), timeout_s=120) == [[3, 3, 3], [1, 1, 1]]
+
+
 def _graph_layer(ctx, T: int) -> bool:
     """FusedMoE with a dispatcher that never syncs the host (ht sync_free, ll), captured in a CUDA graph:
     replays on new tokens equal eager calls, and eager calls match the single-rank reference."""

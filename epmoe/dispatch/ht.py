@@ -2,7 +2,9 @@
 
 Dispatch, on the sender: two kernels number its (token, destination rank) pairs with a device prefix
 sum and store into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
-get and each token's destination-local ids and weights, with one signal; then one Triton kernel
+get, each token's destination-local ids and weights, and its caller's chunk count (FusedMoE's: the
+largest comes back to the host with the batch size, so the layer needs no collective to agree on
+it), with one signal; then one Triton kernel
 stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
 straight into that rank's receive region, and signals. Dense mode (when nearly every token goes to
 every rank, see `HtDispatcher`): slot = t, and all T rows go to every rank first (they need no
@@ -28,12 +30,12 @@ then the local ones.)
 
 Workspace (symmetric, set up once; per-call regions twice, chosen by the parity of a device epoch):
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
-    recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs int32 [2, R] (tokens and
-    pairs from each rank), comb [2, R, C, D] cfg.dtype (row (r, s): rank r's partial row of this rank's
-    token in slot s there), comb_ready int32 [R, NI] (epoch of the latest combine item i that rank r
-    stored here; NI = kernels.combine_items), meta_flag / dispatch_flag int64 [R] (monotonic: one add
-    per call from the numbering, per sending program and call from the send kernel; copy-engine mode:
-    the epoch, written after the rows), dispatch_seq /
+    recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs / chunks int32 [2, R]
+    (tokens and pairs from each rank, and its caller's chunk count), comb [2, R, C, D] cfg.dtype (row
+    (r, s): rank r's partial row of this rank's token in slot s there), comb_ready int32 [R, NI]
+    (epoch of the latest combine item i that rank r stored here; NI = kernels.combine_items), meta_flag
+    / dispatch_flag int64 [R] (monotonic: one add per call from the numbering, per sending program and
+    call from the send kernel; copy-engine mode: the epoch, written after the rows), dispatch_seq /
     combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and control int32
     [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
     locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
@@ -125,6 +127,7 @@ class HtHandle:
     weights_PK: torch.Tensor  # float32 [P, K]: top-k weights of the received rows (same validity)
     recv_counts_R: torch.Tensor  # int32 [R]: rows received from each rank
     num_tokens: int
+    max_chunks: int | None  # the largest chunk count any rank's caller passed (None: sync_free, not read)
 
 
 @dataclass(frozen=True)
@@ -153,10 +156,10 @@ def dense_pays(world_size: int, top_k: int) -> bool:
 SIZE_POLL_CHECK_S = 1e-3
 
 
-def _poll_size(word: ctypes.c_int64, epoch: int, ready: torch.cuda.Event) -> int | None:
-    """Spin until the host word holds epoch's batch size (`kernels.batch_size`); every SIZE_POLL_CHECK_S
-    let other Python threads run and check `ready` (an event after the layout kernels): once it has
-    completed, the word is final (None: the layout ended without writing it)."""
+def _poll_size(word: ctypes.c_int64, epoch: int, ready: torch.cuda.Event) -> tuple[int, int] | None:
+    """Spin until the host word holds epoch's batch size and chunk count (`kernels.batch_size`); every
+    SIZE_POLL_CHECK_S let other Python threads run and check `ready` (an event after the layout
+    kernels): once it has completed, the word is final (None: the layout ended without writing it)."""
     checked = time.perf_counter()
     while (n := kernels.batch_size(word.value, epoch)) is None:
         if time.perf_counter() - checked > SIZE_POLL_CHECK_S:
@@ -201,7 +204,9 @@ class HtDispatcher(Dispatcher):
             (sync_free mode: check `timed_out()`). A hang guard only: no healthy call waits that long.
 
     Host-synced mode (sync_free False) cannot be captured in a CUDA graph: the host reads each batch's
-    size, and tracks the epoch.
+    size, and tracks the epoch. It also agrees chunk counts (`agrees_chunks`, see
+    Dispatcher.dispatch_checked): each rank's count, below kernels.MAX_CHUNKS (2**24), travels with its
+    dispatch, and `agreed_chunks(batch)` is the largest, read with the batch size.
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
@@ -236,6 +241,7 @@ class HtDispatcher(Dispatcher):
     layout = Layout.CONTIGUOUS
     supports_fp8_dispatch = True
     needs_host_sync = True
+    agrees_chunks = True
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group) -> tuple[bool, str]:
@@ -262,7 +268,9 @@ class HtDispatcher(Dispatcher):
             device = "cpu" if isinstance(group, EmulatedGroup) else "cuda"
         self.device = indexed_device(device)
         self.sync_free = bool(sync_free)
-        self.needs_host_sync = not self.sync_free  # FusedMoE then skips its chunk-count all-reduce
+        self.needs_host_sync = not self.sync_free  # FusedMoE then agrees no chunk count at all
+        self.agrees_chunks = not self.sync_free  # the chunk counts travel with the numbering, the largest
+        #   comes back with the batch size (`agreed_chunks`)
         self.fp8 = cfg.quant == "fp8_block"
         self.capacity = cfg.max_tokens_per_rank
         # Fixed for the dispatcher's lifetime: the flags count one signal per sending program and call.
@@ -338,6 +346,7 @@ class HtDispatcher(Dispatcher):
             BufferSpec("recv_w", (2, R, C, K), torch.float32),
             BufferSpec("recv_count", (2, R), torch.int32),
             BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
+            BufferSpec("chunks", (2, R), torch.int32),  # each rank's caller's chunk count, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
             BufferSpec("comb_ready", (R, kernels.combine_items(C, D, self.launch)), torch.int32),
             # the combine's tickets and finished programs, and the error flag of every wait (local)
@@ -371,11 +380,13 @@ class HtDispatcher(Dispatcher):
         """See Dispatcher.combine. No host sync."""
         return self.combine_recv(self.combine_send(y, batch))
 
-    def dispatch_send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> HtDispatchPending:
+    def dispatch_send(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                      chunks: int = 1) -> HtDispatchPending:
         """Validate, then store this rank's rows into every destination's receive region and signal.
 
-        Inputs as in Dispatcher.dispatch, T <= cfg.max_tokens_per_rank. Returns without waiting; the
-        side stream's work (see Streams in the class docstring) may spin until every rank has sent.
+        Inputs as in Dispatcher.dispatch, T <= cfg.max_tokens_per_rank; chunks as in
+        Dispatcher.dispatch_checked. Returns without waiting; the side stream's work (see Streams in the
+        class docstring) may spin until every rank has sent.
         """
         if _capturing():
             if not self.sync_free:
@@ -389,7 +400,8 @@ class HtDispatcher(Dispatcher):
             raise ValueError(f"x_TD is on {x_TD.device}, the dispatcher's buffers on {self.device}")
         if x_TD.shape[0] > self.capacity:
             raise ValueError(f"{x_TD.shape[0]} tokens exceed cfg.max_tokens_per_rank={self.capacity}")
-        return self._dispatch_send(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+        self._check_chunks(chunks)
+        return self._dispatch_send(x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous(), chunks)
 
     def dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         """Wait (on the device) for every rank's rows and the batch's layout (made on the side stream
@@ -423,17 +435,24 @@ class HtDispatcher(Dispatcher):
             if t.shape != (x_TD.shape[0], K):
                 raise ValueError(f"{name} must be [T={x_TD.shape[0]}, K={K}], got {tuple(t.shape)}")
 
-    def _dispatch_send(self, x_TD, ids_TK, weights_TK) -> HtDispatchPending:
+    def _check_chunks(self, chunks: int) -> None:
+        if not 1 <= chunks < kernels.MAX_CHUNKS:
+            raise ValueError(f"chunks must be in [1, {kernels.MAX_CHUNKS}), got {chunks}")
+        if chunks != 1 and not self.agrees_chunks:
+            raise ValueError("a sync_free 'ht' dispatcher agrees no chunk count (its callers make one chunk)")
+
+    def _dispatch_send(self, x_TD, ids_TK, weights_TK, chunks: int) -> HtDispatchPending:
         calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
         if self.dense and self._early:
-            return self._dispatch_send_rows_first(x_TD, ids_TK, weights_TK, calls)
+            return self._dispatch_send_rows_first(x_TD, ids_TK, weights_TK, calls, chunks)
         R, L = self.world_size, self.num_local_experts
         T = x_TD.shape[0]
         seq = self.ws.local("dispatch_seq")
         # slots and this call's epoch (seq + 1, on the device: graph-replayable); stored into every
         # destination: its token and pair counts and the tokens' ids and weights. Then the rows.
         slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, seq, self.ws.local("number_done"), R,
-                                                self.capacity, L, self._peers, self.rank, dense=self.dense)
+                                                self.capacity, L, self._peers, self.rank, dense=self.dense,
+                                                chunks=chunks)
         self._dispatch_calls = calls
         # the host's epoch: emulated ranks read the device's (CPU tensors: no sync), a process group counts
         epoch = None if self.sync_free else int(epoch_1) if self._emulated else calls
@@ -464,7 +483,7 @@ class HtDispatcher(Dispatcher):
             kernels.dispatch_send_dense(x_TD, epoch, self._peers, self.rank, self.world_size, self.capacity, self.fp8,
                                         self.launch)
 
-    def _dispatch_send_rows_first(self, x_TD, ids_TK, weights_TK, calls: int) -> HtDispatchPending:
+    def _dispatch_send_rows_first(self, x_TD, ids_TK, weights_TK, calls: int, chunks: int) -> HtDispatchPending:
         """Dense mode over a process group. The rows go first, on the stream itself (row t to row t at
         every rank, then the flags; `_send_dense_rows`): queued behind an event on a stream of its own,
         the copy engine's copy started ~10 µs after the event's work on H200. The side stream meanwhile
@@ -486,7 +505,7 @@ class HtDispatcher(Dispatcher):
                 slot_TR, epoch_1 = kernels.number_pairs(ids_TK, weights_TK, self.ws.local("dispatch_seq"),
                                                         self.ws.local("number_done"), self.world_size,
                                                         self.capacity, self.num_local_experts, self._peers,
-                                                        self.rank, dense=True)
+                                                        self.rank, dense=True, chunks=chunks)
                 self._dispatch_calls = calls
                 if self._engine is not None:
                     kernels.copy_rows(x_TD, self._engine.own_rows(calls), self.launch)
@@ -540,7 +559,8 @@ class HtDispatcher(Dispatcher):
         recv_count = self.ws.local("recv_count")
         recv_ids, recv_w = self.ws.local("recv_ids"), self.ws.local("recv_w")
         table_BL = kernels.layout_count(recv_ids, recv_count, epoch_1, self.blocks, L, self.ws.local("meta_flag"),
-                                        self.ws.local("pairs"), self._size_word(epoch), self._wait)
+                                        self.ws.local("pairs"), self.ws.local("chunks"), self._size_word(epoch),
+                                        self._wait)
         counts_L, offsets_L1, start_BL, recv_counts_R = kernels.layout_scan(table_BL, recv_count, epoch_1)
         pos_PK, weights_PK, rows_N = kernels.layout_place(recv_ids, recv_w, recv_count, epoch_1, start_BL,
                                                           self.blocks, self.max_recv_rows)
@@ -550,25 +570,26 @@ class HtDispatcher(Dispatcher):
     def _size_word(self, epoch: int | None) -> torch.Tensor:
         return self._size_words[(epoch or 0) % 2]
 
-    def _batch_size(self, pending: HtDispatchPending) -> int:
-        """The batch's valid rows (the layout's first kernel writes them to pinned host memory): the host
-        polls for the word of this dispatch's epoch. RuntimeError if a device-side wait of this rank gave
-        up (in this call's layout or any call before), or if the layout ran without writing it."""
+    def _batch_size(self, pending: HtDispatchPending) -> tuple[int, int]:
+        """(the batch's valid rows, the largest chunk count of any rank's caller): the layout's first
+        kernel writes them to pinned host memory, where the host polls for the word of this dispatch's
+        epoch. RuntimeError if a device-side wait of this rank gave up (in this call's layout or any call
+        before), or if the layout ran without writing it."""
         word = self._size_values[(pending.epoch or 0) % 2]
         if pending.early is None:  # emulated ranks: the layout has run (on a GPU, once the stream has)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            n = kernels.batch_size(word.value, pending.epoch)
+            size = kernels.batch_size(word.value, pending.epoch)
         else:
-            n = _poll_size(word, pending.epoch, pending.early.slot.ready)
-        if n is None:
+            size = _poll_size(word, pending.epoch, pending.early.slot.ready)
+        if size is None:
             raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): the layout of epoch {pending.epoch} ended "
                                f"without writing the batch size")
-        if n < 0:
+        if size[0] < 0:
             raise RuntimeError(f"dispatcher 'ht' (rank {self.rank}): a device-side wait gave up after "
                                f"{self._wait.timeout_ns / 1e9:g} s (a peer failed, or the ranks' calls do "
                                "not match); its results are garbage from then on: rebuild the dispatcher")
-        return n
+        return size
 
     def _dispatch_recv(self, pending: HtDispatchPending) -> ExpertBatch:
         self._stream_waits_for_rows()
@@ -600,9 +621,9 @@ class HtDispatcher(Dispatcher):
         index into the receive buffer (x views recv_x of both parities as [2 * R * C, D]); no row is
         copied. The host reads the batch size (unless sync_free, `_batch_size`): it travels ahead of the
         rows (dense mode: beside them), so the host usually has it before the stream has the rows."""
+        n, max_chunks = (self.max_recv_rows, None) if self.sync_free else self._batch_size(pending)
         handle = HtHandle(slot_TR=pending.slot_TR, pos_PK=lay.pos_PK, weights_PK=lay.weights_PK,
-                          recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens)
-        n = self.max_recv_rows if self.sync_free else self._batch_size(pending)
+                          recv_counts_R=lay.recv_counts_R, num_tokens=pending.num_tokens, max_chunks=max_chunks)
         return ExpertBatch(layout=Layout.CONTIGUOUS, x=self._recv_rows, x_scale=self._recv_row_scales,
                            counts_L=lay.counts_L, offsets_L1=lay.offsets_L1, handle=handle,
                            row_index_N=lay.rows_N[:n])
@@ -627,8 +648,14 @@ class HtDispatcher(Dispatcher):
             kernels.combine(*pending.local_args, remote=False, local=True)
         return pending.out_TD
 
-    def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:
-        return self._dispatch_recv(self._dispatch_send(x_TD, ids_TK, weights_TK))
+    def _dispatch(self, x_TD, ids_TK, weights_TK, chunks: int = 1) -> ExpertBatch:
+        self._check_chunks(chunks)
+        return self._dispatch_recv(self._dispatch_send(x_TD, ids_TK, weights_TK, chunks))
+
+    def _agreed_chunks(self, batch: ExpertBatch) -> int:
+        if batch.handle.max_chunks is None:
+            raise ValueError("a sync_free 'ht' dispatcher agrees no chunk count")
+        return batch.handle.max_chunks
 
     def _combine(self, y, batch) -> torch.Tensor:
         return self._combine_recv(self._combine_send(y, batch))

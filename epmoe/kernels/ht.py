@@ -116,8 +116,12 @@ COMBINE_CHUNK = 1024
 COMBINE_STEP = 2048
 
 
-# layout_count's size word: its low half when a wait gave up
+# layout_count's size word: bits 56-62 the epoch mod SIZE_EPOCHS, 32-55 the largest chunk count of any
+# rank (below MAX_CHUNKS), 0-31 the batch's valid rows, or SIZE_FAILED when a wait gave up. The host
+# word of a parity holds epoch - 2's until the layout of epoch writes it: 7 bits tell them apart.
 SIZE_FAILED = tl.constexpr(0xFFFFFFFF)
+SIZE_EPOCHS = tl.constexpr(128)
+MAX_CHUNKS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -185,18 +189,18 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT
 
 @triton.jit
 def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, done_ptr,
-                       recv_count_peers, pairs_peers, recv_ids_peers, recv_w_peers, flag_peers,
-                       T, NT, rank, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
+                       recv_count_peers, pairs_peers, chunks_peers, recv_ids_peers, recv_w_peers, flag_peers,
+                       T, NT, rank, chunks, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_NT: tl.constexpr, DENSE: tl.constexpr):
     """Program b adds the tokens that earlier blocks sent to each rank to its block's slots, then stores
     its tokens' K destination-local ids (-1 for other ranks' experts) and weights into each
     destination's receive region at the token's slot. Program 0 also advances the epoch (seq =
-    epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r into r's
-    recv_count[parity, rank] and pairs[parity, rank]. DENSE (slot = t): no slots to add; every rank
-    gets T rows, and the ids (all -1) of the tokens not meant for it. The last program to finish
-    (counter done[0], back to 0 after; its acq_rel chain orders every program's stores before it)
-    signals flag[rank] on every rank: receivers then size their batch and lay it out (`layout_count`
-    waits for it) before the rows arrive."""
+    epoch[0]) and stores the tokens and the (token, slot) pairs sent to rank r, and `chunks` (the
+    caller's chunk count), into r's recv_count, pairs and chunks at [parity, rank]. DENSE (slot = t): no
+    slots to add; every rank gets T rows, and the ids (all -1) of the tokens not meant for it. The last
+    program to finish (counter done[0], back to 0 after; its acq_rel chain orders every program's
+    stores before it) signals flag[rank] on every rank: receivers then size their batch and lay it out
+    (`layout_count` waits for it) before the rows arrive."""
     b = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < R
@@ -229,6 +233,7 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
             mine = parity * R + rank
             tl.store(_peer(recv_count_peers, r, tl.int32) + mine, tl.sum(tl.where(rr == r, rows, 0), axis=0))
             tl.store(_peer(pairs_peers, r, tl.int32) + mine, tl.sum(tl.where(rr == r, pairs, 0), axis=0))
+            tl.store(_peer(chunks_peers, r, tl.int32) + mine, chunks)
     kk = tl.arange(0, BLOCK_K)
     t64 = t.to(tl.int64)
     kmask = (t < T)[:, None] & (kk < K)[None, :]
@@ -490,16 +495,18 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs_ptr, size_ptr, err_ptr, timeout_ns,
+def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs_ptr, chunks_ptr, size_ptr, err_ptr,
+                         timeout_ns,
                          R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr,
                          NB, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (r, b), once rank r's numbering of epoch seq[0] has signalled flag[r] (acquire, system
     scope: its counts, ids and weights are here): table[r * NB + b, l] = valid pairs of local expert l
     among rows [b * BLOCK_S, (b + 1) * BLOCK_S) received from rank r (rows past the count hold none).
-    Program (0, 0) waits for every rank and writes size[0] = epoch << 32 | the (row, slot) pairs
-    received in all (SIZE_FAILED instead if some wait of this rank gave up), in one 8-byte store
-    that goes through to host memory (the host polls it there)."""
+    Program (0, 0) waits for every rank and writes size[0]: the epoch mod SIZE_EPOCHS, the largest
+    chunk count the ranks sent (chunks [2, R], per parity) and the (row, slot) pairs received in all
+    (SIZE_FAILED instead if some wait of this rank gave up), in one 8-byte store that goes through to
+    host memory (the host polls it there; `batch_size` reads it)."""
     epoch = tl.load(seq_ptr)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         for src in tl.static_range(R):
@@ -507,7 +514,9 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs
         rr = tl.arange(0, BLOCK_R)
         n = tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0).to(tl.int64)
         low = tl.where(tl.load(err_ptr, volatile=True) != 0, SIZE_FAILED, n)
-        tl.store(size_ptr, epoch.to(tl.int64) * 4294967296 + low, cache_modifier=".wt")
+        chunks = tl.max(tl.load(chunks_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0).to(tl.int64)
+        high = (epoch % SIZE_EPOCHS).to(tl.int64) * 16777216 + chunks  # < 2**31: no overflow below
+        tl.store(size_ptr, high * 4294967296 + low, cache_modifier=".wt")
     else:
         spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
@@ -585,19 +594,23 @@ NUMBER_STEP = 1024
 
 def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Tensor, done_1: torch.Tensor,
                  world_size: int, capacity: int, num_local_experts: int, peers: dict[str, torch.Tensor], rank: int,
-                 dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 dense: bool = False, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Number the (token, destination rank) pairs, advance the epoch, and send every rank, ahead of the
     rows, what it needs to size and lay out its batch.
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order;
     dense: row t itself, every rank getting all T rows, those of tokens not meant for it with ids -1),
     -1 when none of its ids is on r; epoch_1 int32 [1]: this call's epoch (seq_1 after its increment
-    on the device). Stores the tokens and the (token, slot) pairs sent to rank r into r's "recv_count"
-    and "pairs" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's destination-local ids and
-    weights into each destination's "recv_ids" / "recv_w" at the token's slot, then signals r's
+    on the device). Stores the tokens and the (token, slot) pairs sent to rank r, and `chunks` (the
+    caller's chunk count, in [0, MAX_CHUNKS): `layout_count` passes the largest on to the host), into
+    r's "recv_count", "pairs" and "chunks" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's
+    destination-local ids and weights into each destination's "recv_ids" / "recv_w" at the token's slot,
+    then signals r's
     "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers). ids_TK: int32/int64
     [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero: a counter of the
     second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
+    if not 0 <= chunks < MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [0, {MAX_CHUNKS}), got {chunks}")
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
@@ -609,8 +622,8 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     _number_block_kernel[(NT,)](ids_TK, slot_TR, table_2TR, seq_1, epoch_1, T, NT, R=R, K=K, L=num_local_experts,
                                 BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R, DENSE=dense, num_warps=4)
     _number_fix_kernel[(NT,)](ids_TK, weights_TK, slot_TR, table_2TR, seq_1, epoch_1, done_1,
-                              peers["recv_count"], peers["pairs"], peers["recv_ids"], peers["recv_w"],
-                              peers["meta_flag"], T, NT, rank, R=R, C=capacity, K=K, L=num_local_experts,
+                              peers["recv_count"], peers["pairs"], peers["chunks"], peers["recv_ids"], peers["recv_w"],
+                              peers["meta_flag"], T, NT, rank, chunks, R=R, C=capacity, K=K, L=num_local_experts,
                               BLOCK_K=triton.next_power_of_2(K), BLOCK_T=NUMBER_BLOCK, BLOCK_R=BLOCK_R,
                               BLOCK_NT=NUMBER_STEP, DENSE=dense, num_warps=4)
     return slot_TR, epoch_1
@@ -701,35 +714,36 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
-                 num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, size_1: torch.Tensor,
-                 wait: DeviceWait) -> torch.Tensor:
+                 num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, chunks_2R: torch.Tensor,
+                 size_1: torch.Tensor, wait: DeviceWait) -> torch.Tensor:
     """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
     epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
 
     Returns table_BL int32 [B, L]. Writes size_1 int64 [1] (pinned host memory on a GPU, which the
-    kernel writes through to; read it with `batch_size`): the epoch and the (row, slot) pairs received
-    from all ranks (the batch's valid rows), or that a wait of this rank gave up. recv_ids: int32 [2, R,
-    C, K] local ids (-1 none), of parity seq_1 % 2 valid up to recv_count[parity, r]; flag_R: int64 [R]
-    the numbering's signals ("meta_flag"); pairs_2R: int32 [2, R] the pairs each rank sends here, per
-    parity.
+    kernel writes through to; read it with `batch_size`): the epoch, the largest chunk count of any rank
+    and the (row, slot) pairs received from all ranks (the batch's valid rows), or that a wait of this
+    rank gave up. recv_ids: int32 [2, R, C, K] local ids (-1 none), of parity seq_1 % 2 valid up to
+    recv_count[parity, r]; flag_R: int64 [R] the numbering's signals ("meta_flag"); pairs_2R, chunks_2R:
+    int32 [2, R] the pairs each rank sends here and its chunk count, per parity.
     """
     _, R, C, K = recv_ids.shape
     L, NB = num_local_experts, blocks.blocks_per_rank
     table_BL = torch.empty(R * NB, L, dtype=torch.int32, device=recv_ids.device)
-    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, size_1, wait.err_1,
-                                  wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
+    _layout_count_kernel[(R, NB)](recv_ids, recv_count, seq_1, table_BL, flag_R, pairs_2R, chunks_2R, size_1,
+                                  wait.err_1, wait.timeout_ns, R=R, C=C, K=K, L=L, NB=NB, BLOCK_S=blocks.block_s,
                                   BLOCK_K=blocks.block_k, BLOCK_L=triton.next_power_of_2(L),
                                   BLOCK_R=triton.next_power_of_2(R), INTERPRET=wait.interpret, num_warps=4)
     return table_BL
 
 
-def batch_size(size: int, epoch: int) -> int | None:
-    """The batch's valid rows from a value of `layout_count`'s size_1: None if it is not yet epoch's,
-    -1 if a wait of that layout's rank gave up."""
-    if size >> 32 != epoch:
+def batch_size(size: int, epoch: int) -> tuple[int, int] | None:
+    """(the batch's valid rows, the largest chunk count of any rank) from a value of `layout_count`'s
+    size_1: None if it is not yet epoch's (the word holds epoch - 2's until then); rows -1 if a wait of
+    that layout's rank gave up."""
+    if size >> 56 != epoch % SIZE_EPOCHS.value:
         return None
     low = size & 0xFFFFFFFF
-    return -1 if low == SIZE_FAILED.value else low
+    return -1 if low == SIZE_FAILED.value else low, (size >> 32) & (MAX_CHUNKS - 1)
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
