@@ -441,7 +441,7 @@ class HtDispatcher(Dispatcher):
         if chunks != 1 and not self.agrees_chunks:
             raise ValueError("a sync_free 'ht' dispatcher agrees no chunk count (its callers make one chunk)")
 
-    def _dispatch_send(self, x_TD, ids_TK, weights_TK, chunks: int) -> HtDispatchPending:
+    def _dispatch_send(self, x_TD, ids_TK, weights_TK, chunks: int = 1) -> HtDispatchPending:
         calls = self._dispatch_calls + 1  # counted once the numbering (which advances the epoch) is queued
         if self.dense and self._early:
             return self._dispatch_send_rows_first(x_TD, ids_TK, weights_TK, calls, chunks)
