@@ -199,6 +199,8 @@ class Dispatcher(ABC):
             return self._dispatch(*args)
         if not self.agrees_chunks:
             raise ValueError(f"dispatcher {self.name!r} agrees no chunk count (agrees_chunks is False)")
+        if type(chunks) is not int or chunks < 1:
+            raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
         return self._dispatch(*args, chunks=chunks)
 
     def agreed_chunks(self, batch: ExpertBatch) -> int:
@@ -233,7 +235,8 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def _dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ExpertBatch:
-        ...
+        """The dispatch itself; a dispatcher with `agrees_chunks` also takes `chunks=` (an int >= 1) and
+        implements `_agreed_chunks(batch)`."""
 
     @abstractmethod
     def _combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:

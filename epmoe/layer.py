@@ -104,13 +104,13 @@ class FusedMoE(torch.nn.Module):
         """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""
         return self.world_size > 1 and self.dispatcher.agrees_chunks
 
-    def _start_chunk_count(self, T: int, device: torch.device) -> Callable[[ExpertBatch], int]:
-        """Chunks of at most max_tokens_per_rank, agreed by all ranks; returns their reader, which takes the
-        first chunk's batch. With R > 1: the dispatcher's own agreement (the count went with the first
-        dispatch, `_agrees_chunks`), else, for a dispatcher that syncs the host anyway, an all-reduce
-        queued now (on a GPU on a stream of its own), which the reader waits for (a host sync): called
-        after the host has queued the first chunk, it finds the all-reduce's round trip over."""
-        chunks = max(1, -(-T // self.cfg.max_tokens_per_rank))
+    def _start_chunk_count(self, chunks: int, device: torch.device) -> Callable[[ExpertBatch], int]:
+        """The number of chunks every rank runs, the largest of the ranks' `chunks` (this rank's); returns
+        its reader, which takes the first chunk's batch. With R > 1: the dispatcher's own agreement (the
+        count went with the first dispatch and comes back with its batch size, `_agrees_chunks`), else,
+        for a dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of
+        its own), which the reader waits for (a host sync): called after the host has queued the first
+        chunk, it finds the all-reduce's round trip over."""
         if self.world_size == 1:
             return lambda batch: chunks
         if not self.dispatcher.needs_host_sync:  # one chunk (`_check_inputs` refused more tokens)
@@ -172,23 +172,24 @@ class FusedMoE(torch.nn.Module):
             out_TD: [T, D] in cfg.dtype.
         """
         self._check_inputs(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
-        # The shared experts first: their GPU work runs while the host queues the chunk count, routes and
-        # queues the dispatch (~1 ms of host time at 4096 tokens on 2 H200s; the chunk count's all-reduce
-        # alone ~150 µs, during which an idle GPU would wait)
+        # The shared experts first: their GPU work runs while the host routes and queues the dispatch (~1 ms
+        # of host time at 4096 tokens on 2 H200s, during which an idle GPU would wait; with a dispatcher
+        # that agrees no chunk count, also the all-reduce that agrees it, ~150-250 µs)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
-        chunks = self._start_chunk_count(x_TD.shape[0], x_TD.device)
+        T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
+        mine = max(1, -(-T // step))  # this rank's chunks (every rank runs at least one)
+        chunks = self._start_chunk_count(mine, x_TD.device)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
-        T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
-        mine = max(1, -(-T // step)) if self._agrees_chunks() else None  # sent with each dispatch
+        sent = mine if self._agrees_chunks() else None  # the count that goes with each dispatch
         out_TD = torch.empty_like(x_TD)
         chunk, num_chunks = 0, None
         while chunk != num_chunks:
             lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
-            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=mine)
+            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=sent)
             out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
-            # every rank has at least one chunk: the agreed count is read once the first one is queued (a
-            # host sync on the all-reduce, over by then, rather than one between routing and dispatch)
+            # the agreed count is read once the first chunk is queued: with the batch's size (agreeing
+            # dispatchers), or a host sync on the all-reduce, over by then
             num_chunks = num_chunks or chunks(batch)
             chunk += 1
         if self.cfg.routed_scaling_factor != 1.0:

@@ -6,7 +6,7 @@ shapes (D 7168, F 2048), L 128 experts with t rows each on average, gathered fro
 Sources: ordinary memory, or symmetric memory as ht's receive buffer is (epmoe.symm.torch_workspace
 over a 1-rank process group); rows per expert: exactly t, or drawn as uniform random routing draws them
 (multinomial; partial row tiles at each expert's end). Beside them, the batched layout as `ll` hands
-it over ([L, M, D] slots, M = --slot-rows, TMA tile loads) on the same rows and counts.
+it over ([L, M, D] slots, M = --slot-rows, TMA tile loads; ~15 GB at the defaults) on the same rows and counts.
 
     python3 scripts/row_index_probe.py [--rows-per-expert 256 1024] [--slot-rows 8192]
         [--gather-configs "BM,BN,BK,GROUP,WARPS,STAGES" ...]
@@ -102,6 +102,8 @@ def main() -> None:
                     raise SystemExit(f"t {t}: gate-up through the index differs from gate-up on the copy")
                 down_us = _time_us(lambda: down(h, w2, rows, out_dtype=torch.bfloat16, rows_hint=t))
                 M = args.slot_rows
+                if max(counts) > M:
+                    raise SystemExit(f"--slot-rows {M} is below the largest expert's {max(counts)} rows")
                 x_LMD = torch.zeros(L, M, D, device=dev, dtype=torch.bfloat16)
                 slot_rows = torch.cat([torch.arange(n, device=dev) + l * M for l, n in enumerate(counts)])
                 x_LMD.view(-1, D)[slot_rows] = x_ND

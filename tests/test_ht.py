@@ -275,8 +275,11 @@ def test_chunk_counts_travel_with_the_dispatch(dense):
             rows, _ = expected_batch_rows(cfg, 3, d, inputs)
             assert torch.equal(b.materialize().x.cpu(), torch.stack(rows) if rows else b.x[:0].cpu())
         emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(batches)], batches)
-    with pytest.raises(ValueError, match="chunks must be in"):
-        dispatchers[0].dispatch_send(*inputs[0], chunks=0)
+    for bad in (0, 2.0, True, 1 << 24):
+        with pytest.raises(ValueError, match="chunks must be an int in"):
+            dispatchers[0].dispatch_send(*inputs[0], chunks=bad)
+    with pytest.raises(ValueError, match="chunks must be an int >= 1"):
+        dispatchers[0].dispatch_checked(*inputs[0], chunks=2.0)
     free = make_world(cfg, 2, sync_free=True)
     assert not free[0].agrees_chunks
     with pytest.raises(ValueError, match="agrees no chunk count"):
@@ -601,6 +604,23 @@ def test_layout_scan_matches_torch(monkeypatch):
     assert torch.equal(recv, recv_count[1])  # parity 7 % 2
 
 
+def test_size_word_at_its_largest_fields():
+    """layout_count's size word at epoch 130 (its 7 bits wrap: 2 mod 128), the largest chunk count and
+    a large pair count: batch_size reads back what the ranks sent, and no other epoch's word."""
+    from epmoe.kernels import ht
+    R, C, K, L = 2, 1, 1, 1
+    i32 = dict(dtype=torch.int32, device=_EMU_DEVICE)
+    chunks = torch.tensor([[ht.MAX_CHUNKS.value - 1, 3], [1, 1]], **i32)  # parity 130 % 2 = 0: row 0
+    pairs = torch.tensor([[2 ** 31 - 1, 6], [0, 0]], **i32)  # summed in int64
+    size_1 = torch.zeros(1, dtype=torch.int64, device=_EMU_DEVICE)
+    wait = DeviceWait(err_1=torch.zeros(1, **i32), timeout_ns=10 ** 6)
+    ht.layout_count(torch.full((2, R, C, K), -1, **i32), torch.zeros(2, R, **i32), torch.tensor([130], **i32),
+                    ht.layout_blocks(C, K), L, torch.full((R,), 130, dtype=torch.int64, device=_EMU_DEVICE),
+                    pairs, chunks, size_1, wait)
+    assert ht.batch_size(int(size_1), 130) == (2 ** 31 + 5, ht.MAX_CHUNKS.value - 1)  # (a 32-bit field)
+    assert ht.batch_size(int(size_1), 129) is None and ht.batch_size(int(size_1), 128) is None
+
+
 @pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64),
                                             (450, 2, torch.int32)])
 def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
@@ -832,8 +852,9 @@ def _gpu_dense_edges(ctx, copy_engine):
     the stream (behind a 1 ms spin) and
     passed to _dispatch_send, which skips check_tokens' host sync, then x, ids and weights overwritten
     at once: the side stream's numbering and own-rows copy still read this call's inputs, the rows and
-    sums are exact; (2) a numbering that fails to queue after the rows and their flag have left marks
-    the dispatcher failed on every rank: timed_out(), and the next dispatch raises."""
+    sums are exact, and every rank gets the largest of the ranks' chunk counts; (2) a numbering that
+    fails to queue after the rows and their flag have left marks the dispatcher failed on every rank:
+    timed_out(), and the next dispatch raises."""
     from unittest import mock
 
     from epmoe.dispatch.ht import HtDispatcher
@@ -849,11 +870,13 @@ def _gpu_dense_edges(ctx, copy_engine):
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000)
         x, ids, w = (t.clone() for t in staged)  # ready only after the spin
-        pending = d._dispatch_send(x, ids, w.float())
+        counts = [1 + (3 * r + 2 * call) % 7 for r in range(R)]  # rank 0: 1 then 3; rank 1: 4 then 6
+        pending = d._dispatch_send(x, ids, w.float(), counts[ctx.rank])
         x.zero_()
         ids.fill_(-1)
         w.zero_()
         b = d.dispatch_recv(pending)
+        assert d.agreed_chunks(b) == max(counts), (call, d.agreed_chunks(b), counts)
         rows, counts = expected_batch_rows(cfg, R, ctx.rank, inputs)
         assert b.counts_L.tolist() == counts, (call, b.counts_L.tolist(), counts)
         assert torch.equal(b.materialize().x[:sum(counts)].cpu(), torch.stack(rows)), call

@@ -4,9 +4,9 @@ Dispatch, on the sender: two kernels number its (token, destination rank) pairs 
 sum and store into every destination, ahead of the rows, the tokens and (token, slot) pairs it will
 get, each token's destination-local ids and weights, and its caller's chunk count (FusedMoE's: the
 largest comes back to the host with the batch size, so the layer needs no collective to agree on
-it), with one signal; then one Triton kernel
-stores each row once per destination rank (fp8-quantized on the way when cfg.quant == "fp8_block")
-straight into that rank's receive region, and signals. Dense mode (when nearly every token goes to
+it), with one signal; then one Triton kernel stores each row once per destination rank
+(fp8-quantized on the way when cfg.quant == "fp8_block") straight into that rank's receive region,
+and signals. Dense mode (when nearly every token goes to
 every rank, see `HtDispatcher`): slot = t, and all T rows go to every rank first (they need no
 numbering), the numbering beside them; by the copy engine (bf16: no SM busy with them, then the epoch
 into the peer's flag; ht_engine.py) or by the send kernel. On the receiver (host-synced mode, process
@@ -206,7 +206,8 @@ class HtDispatcher(Dispatcher):
     Host-synced mode (sync_free False) cannot be captured in a CUDA graph: the host reads each batch's
     size, and tracks the epoch. It also agrees chunk counts (`agrees_chunks`, see
     Dispatcher.dispatch_checked): each rank's count, below kernels.MAX_CHUNKS (2**24), travels with its
-    dispatch, and `agreed_chunks(batch)` is the largest, read with the batch size.
+    dispatch, and `agreed_chunks(batch)` is the largest, read with the batch size (a rank that passed
+    none, e.g. through `dispatch`, counts as 1).
 
     Needs rows of a multiple of 16 bytes (D * itemsize; with fp8 dispatch also D itself), E divisible
     by R, 1 <= R <= 8 ranks on one host (or an EmulatedGroup).
@@ -436,8 +437,8 @@ class HtDispatcher(Dispatcher):
                 raise ValueError(f"{name} must be [T={x_TD.shape[0]}, K={K}], got {tuple(t.shape)}")
 
     def _check_chunks(self, chunks: int) -> None:
-        if not 1 <= chunks < kernels.MAX_CHUNKS:
-            raise ValueError(f"chunks must be in [1, {kernels.MAX_CHUNKS}), got {chunks}")
+        if type(chunks) is not int or not 1 <= chunks < kernels.MAX_CHUNKS.value:
+            raise ValueError(f"chunks must be an int in [1, {kernels.MAX_CHUNKS.value}), got {chunks!r}")
         if chunks != 1 and not self.agrees_chunks:
             raise ValueError("a sync_free 'ht' dispatcher agrees no chunk count (its callers make one chunk)")
 

@@ -121,7 +121,7 @@ COMBINE_STEP = 2048
 # word of a parity holds epoch - 2's until the layout of epoch writes it: 7 bits tell them apart.
 SIZE_FAILED = tl.constexpr(0xFFFFFFFF)
 SIZE_EPOCHS = tl.constexpr(128)
-MAX_CHUNKS = 1 << 24
+MAX_CHUNKS = tl.constexpr(1 << 24)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def _number_block_kernel(ids_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, T, NT
         tl.store(epoch_ptr, tl.load(seq_ptr) + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])  # one build for every chunk count
 def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, done_ptr,
                        recv_count_peers, pairs_peers, chunks_peers, recv_ids_peers, recv_w_peers, flag_peers,
                        T, NT, rank, chunks, R: tl.constexpr, C, K: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -512,11 +512,11 @@ def _layout_count_kernel(ids_ptr, count_ptr, seq_ptr, table_ptr, flag_ptr, pairs
         for src in tl.static_range(R):
             spin_until(flag_ptr + src, epoch, err_ptr, timeout_ns, INTERPRET)
         rr = tl.arange(0, BLOCK_R)
-        n = tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0).to(tl.int64)
+        n = tl.sum(tl.load(pairs_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0).to(tl.int64), axis=0)
         low = tl.where(tl.load(err_ptr, volatile=True) != 0, SIZE_FAILED, n)
         chunks = tl.max(tl.load(chunks_ptr + (epoch % 2) * R + rr, mask=rr < R, other=0), axis=0).to(tl.int64)
-        high = (epoch % SIZE_EPOCHS).to(tl.int64) * 16777216 + chunks  # < 2**31: no overflow below
-        tl.store(size_ptr, high * 4294967296 + low, cache_modifier=".wt")
+        high = (epoch % SIZE_EPOCHS).to(tl.int64) * MAX_CHUNKS + chunks  # < 2**31: no overflow below
+        tl.store(size_ptr, (high << 32) + low, cache_modifier=".wt")
     else:
         spin_until(flag_ptr + tl.program_id(0), epoch, err_ptr, timeout_ns, INTERPRET)
     r, parity, j, s, k, pair = _block_pairs(count_ptr, seq_ptr, R, K, BLOCK_S, BLOCK_K)
@@ -602,15 +602,15 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     dense: row t itself, every rank getting all T rows, those of tokens not meant for it with ids -1),
     -1 when none of its ids is on r; epoch_1 int32 [1]: this call's epoch (seq_1 after its increment
     on the device). Stores the tokens and the (token, slot) pairs sent to rank r, and `chunks` (the
-    caller's chunk count, in [0, MAX_CHUNKS): `layout_count` passes the largest on to the host), into
+    caller's chunk count, in [1, MAX_CHUNKS): `layout_count` passes the largest on to the host), into
     r's "recv_count", "pairs" and "chunks" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's
     destination-local ids and weights into each destination's "recv_ids" / "recv_w" at the token's slot,
-    then signals r's
-    "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers). ids_TK: int32/int64
-    [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero: a counter of the
-    second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
-    if not 0 <= chunks < MAX_CHUNKS:
-        raise ValueError(f"chunks must be in [0, {MAX_CHUNKS}), got {chunks}")
+    then signals r's "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers).
+    ids_TK: int32/int64 [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero:
+    a counter of the second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no
+    host sync."""
+    if not 1 <= chunks < MAX_CHUNKS.value:
+        raise ValueError(f"chunks must be in [1, {MAX_CHUNKS.value}), got {chunks}")
     T, K = ids_TK.shape
     R = world_size
     dev = ids_TK.device
@@ -743,7 +743,7 @@ def batch_size(size: int, epoch: int) -> tuple[int, int] | None:
     if size >> 56 != epoch % SIZE_EPOCHS.value:
         return None
     low = size & 0xFFFFFFFF
-    return -1 if low == SIZE_FAILED.value else low, (size >> 32) & (MAX_CHUNKS - 1)
+    return -1 if low == SIZE_FAILED.value else low, (size >> 32) & (MAX_CHUNKS.value - 1)
 
 
 # layout scan: experts per program, blocks per step of the start pass, table elements per step of the sum
