@@ -654,8 +654,8 @@ class HtDispatcher(Dispatcher):
         return self._dispatch_recv(self._dispatch_send(x_TD, ids_TK, weights_TK, chunks))
 
     def _agreed_chunks(self, batch: ExpertBatch) -> int:
-        if batch.handle.max_chunks is None:
-            raise ValueError("a sync_free 'ht' dispatcher agrees no chunk count")
+        if batch.handle.max_chunks is None:  # a batch of another, sync_free, dispatcher
+            raise ValueError("batch comes from a sync_free 'ht' dispatcher, which agrees no chunk count")
         return batch.handle.max_chunks
 
     def _combine(self, y, batch) -> torch.Tensor:
