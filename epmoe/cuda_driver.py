@@ -1,7 +1,7 @@
 """Stream operations of the CUDA driver that torch does not expose, through ctypes (libcuda.so.1, loaded
 on first use: importing this module needs no GPU).
 
-- `write_value`: a stream writes a 32-bit word (cuStreamWriteValue32, after a system-scope memory
+- `write_value`: a stream writes a 64-bit word (cuStreamWriteValue64, after a system-scope memory
   fence: everything the stream did before is visible first), e.g. into a peer's flag over NVLink.
 - `copy`: an asynchronous device-to-device copy of raw bytes (cuMemcpyDtoDAsync; peer memory mapped
   into this process counts as device memory): the copy engine, without torch's per-call overhead.
@@ -23,8 +23,8 @@ _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the 
 @functools.cache
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
-    u32, u64, ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
-    for name, args in (("cuStreamWriteValue32_v2", (ptr, u64, u32, ctypes.c_uint)),
+    u64, ptr = ctypes.c_uint64, ctypes.c_void_p
+    for name, args in (("cuStreamWriteValue64_v2", (ptr, u64, u64, ctypes.c_uint)),
                        ("cuMemcpyDtoDAsync_v2", (u64, u64, ctypes.c_size_t, ptr))):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -40,10 +40,13 @@ def _check(result: int, what: str) -> None:
 
 
 def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
-    """Once the work queued on `stream` before it is done and visible system-wide, the int32 at
-    `address` (local or peer memory) becomes value."""
-    _check(_driver().cuStreamWriteValue32_v2(stream.cuda_stream, address, value & 0xFFFFFFFF, _WRITE_FENCED),
-           "cuStreamWriteValue32")
+    """Once the work queued on `stream` before it is done and visible system-wide, the int64 at
+    `address` (local or peer memory, 8-byte aligned) becomes value (in [0, 2^63): the flags it writes
+    are int64)."""
+    if not 0 <= value < 1 << 63:
+        raise ValueError(f"write_value writes values in [0, 2^63), got {value}")
+    _check(_driver().cuStreamWriteValue64_v2(stream.cuda_stream, address, value, _WRITE_FENCED),
+           "cuStreamWriteValue64")
 
 
 def copy(stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:

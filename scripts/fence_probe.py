@@ -1,6 +1,6 @@
 """Which stream operations can complete while a kernel on another stream of the same GPU spins for
 their result? One GPU. Each case: a reader kernel (tests/test_cuda_driver.py) spins up to 10 s for a
-flag on its own stream; an engine stream then does the case's steps and a fenced cuStreamWriteValue32
+flag on its own stream; an engine stream then does the case's steps and a fenced cuStreamWriteValue64
 of the flag. Prints whether the reader saw the flag or gave up.
 
     python3 scripts/fence_probe.py
@@ -19,7 +19,7 @@ def main() -> None:
     N = 1024
     src = torch.full((N,), 5, dtype=torch.int32, device="cuda")
     dst, out = torch.zeros_like(src), torch.zeros_like(src)
-    flag, err = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    flag, err = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
     t._read_after_flag_kernel[(1,)](flag, 0, err, dst, out, N=N, num_warps=4)
     t._late_fill_kernel[(1,)](src, 5, 0, N=N, num_warps=4)
     torch.cuda.synchronize()

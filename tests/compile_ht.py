@@ -37,7 +37,7 @@ def main() -> None:
                 dt = "fp8e4nv" if fp8 else "bf16"
                 check(f"dispatch_send D{D} {dt} dense {dense}", compile_hopper(
                     k._dispatch_send_kernel,
-                    dict(x_ptr="*bf16", slot_ptr="*bf16" if dense else "*i32", seq_ptr="*bf16" if dense else "*i32",
+                    dict(x_ptr="*bf16", slot_ptr="*bf16" if dense else "*i32", seq_ptr="*bf16" if dense else "*i64",
                          recv_x_peers="*i64", recv_scale_peers="*i64", flag_peers="*i64", T="i32", rank="i32",
                          dense_parity="i32", C="i32"),
                     dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS,
@@ -52,8 +52,8 @@ def main() -> None:
             # real ranks (2 and 8); the local half of emulated ones
             kernel = compile_hopper(
                 k._combine_kernel,
-                dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", slot_ptr="*i32", seq_ptr="*i32",
-                     comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i32", ready_peers="*i64", control_ptr="*i32",
+                dict(y_ptr="*bf16", pos_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", slot_ptr="*i32", seq_ptr="*i64",
+                     comb_ptr="*bf16", comb_peers="*i64", ready_ptr="*i64", ready_peers="*i64", control_ptr="*i32",
                      out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
                 dict(R=R, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
                      REMOTE=remote, LOCAL=local, TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False),
@@ -67,7 +67,7 @@ def main() -> None:
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
-            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", table_ptr="*i32",
+            k._layout_count_kernel, dict(ids_ptr="*i32", count_ptr="*i32", seq_ptr="*i64", table_ptr="*i32",
                                          flag_ptr="*i64", pairs_ptr="*i32", chunks_ptr="*i32", size_ptr="*i64",
                                          err_ptr="*i32", timeout_ns="i64", C="i32", NB="i32"),
             dict(common, BLOCK_L=triton.next_power_of_2(L), BLOCK_R=2, INTERPRET=False), ["ids_ptr", "table_ptr"],
@@ -75,26 +75,26 @@ def main() -> None:
         BL = triton.next_power_of_2(L)
         check(f"layout_scan L{L}", compile_hopper(
             k._layout_scan_kernel,
-            dict(table_ptr="*i32", count_ptr="*i32", seq_ptr="*i32", counts_ptr="*i32", offsets_ptr="*i32",
+            dict(table_ptr="*i32", count_ptr="*i32", seq_ptr="*i64", counts_ptr="*i32", offsets_ptr="*i32",
                  start_ptr="*i32", recv_counts_ptr="*i32", B="i32"),
             dict(R=2, L=L, BLOCK_T=max(1, k.SCAN_SUM_STEP // BL), BLOCK_B=k.SCAN_BLOCKS, BLOCK_E=k.SCAN_EXPERTS,
                  BLOCK_L=BL, BLOCK_R=2), ["table_ptr", "start_ptr"], 8, 1),
             failures, False)
         check(f"layout_place K{K} L{L}", compile_hopper(
             k._layout_place_kernel,
-            dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i32", start_ptr="*i32", pos_ptr="*i32",
+            dict(ids_ptr="*i32", w_ptr="*fp32", count_ptr="*i32", seq_ptr="*i64", start_ptr="*i32", pos_ptr="*i32",
                  w_out_ptr="*fp32", rows_ptr="*i32", N="i32", C="i32", NB="i32"),
             common, ["ids_ptr", "w_ptr", "pos_ptr", "w_out_ptr", "rows_ptr"], 4, 1), failures, False)
         for dense in (False, True):
             check(f"number_block K{K} dense {dense}", compile_hopper(
-                k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
-                                             epoch_ptr="*i32", T="i32", NT="i32"),
+                k._number_block_kernel, dict(ids_ptr="*i64", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i64",
+                                             epoch_ptr="*i64", T="i32", NT="i32"),
                 dict(R=2, K=K, L=L, BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2, DENSE=dense), ["ids_ptr", "slot_ptr"], 4, 1),
                 failures, False)
             check(f"number_fix K{K} dense {dense}", compile_hopper(
                 k._number_fix_kernel,
-                dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i32",
-                     epoch_ptr="*i32", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
+                dict(ids_ptr="*i64", w_ptr="*fp32", slot_ptr="*i32", table_ptr="*i32", seq_ptr="*i64",
+                     epoch_ptr="*i64", done_ptr="*i32", recv_count_peers="*i64", pairs_peers="*i64",
                      chunks_peers="*i64", recv_ids_peers="*i64", recv_w_peers="*i64", flag_peers="*i64", T="i32",
                      NT="i32", rank="i32", chunks="i32", C="i32"),
                 dict(R=2, K=K, L=L, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=k.NUMBER_BLOCK, BLOCK_R=2,
@@ -102,7 +102,7 @@ def main() -> None:
                 failures, False)
     compile_hopper(_barrier_kernel, dict(flag_peers="*i64", flag_ptr="*i64", err_ptr="*i32", timeout_ns="i64",
                                          target="i64", rank="i32"), dict(R=2, INTERPRET=False), [], 1, 1)
-    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i32", err_ptr="*i32", timeout_ns="i64",
+    compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i64", err_ptr="*i32", timeout_ns="i64",
                                         skip="i32"),
                    dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)
     if failures:

@@ -370,6 +370,37 @@ def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
     assert d._dispatch_calls == calls == int(d.ws.local("dispatch_seq"))
 
 
+def _age(dispatchers, calls: int) -> None:
+    """Leave every rank's epochs, the flags that count calls and the host's count as `calls` dispatches
+    and combines of these dispatchers leave them."""
+    for d in dispatchers:
+        for name in ("dispatch_seq", "combine_seq", "meta_flag"):  # the numbering signals once a call
+            d.ws.local(name).fill_(calls)
+        # the copy engine's flag holds the epoch; the send kernel's programs signal once each a call
+        d.ws.local("dispatch_flag").fill_(calls * (1 if d.copy_engine else d.launch.programs))
+        d._dispatch_calls = calls
+
+
+@pytest.mark.parametrize("options", [dict(), dict(copy_engine=True), dict(sync_free=True), dict(quant="fp8_block")])
+def test_epochs_past_two_to_the_31(options):
+    """Dispatchers 2^31 - 2 calls old keep working over the next three calls (round trips exact): the
+    epochs and every flag compared with them are 64-bit (int32 ones went negative at the second call,
+    and the waits passed before their signals)."""
+    quant = options.pop("quant", None)
+    cfg = _cfg(E=4, K=2, D=128, C=6, quant=quant)
+    dispatchers = make_world(cfg, 2, **options)
+    _age(dispatchers, (1 << 31) - 2)
+    for call in range(3):
+        inputs = []
+        for r, T in enumerate([6 - 2 * call, 3 + call]):
+            x, ids, w = exact_inputs(cfg, r, T, "holes", seed=90 + call, device=_EMU_DEVICE)
+            inputs.append((fp8_exact_rows(T, cfg.hidden_size, seed=r).to(_EMU_DEVICE) if quant else x, ids, w))
+        check_round_trip(cfg, dispatchers, inputs)
+    for d in dispatchers:
+        assert int(d.ws.local("dispatch_seq")) == int(d.ws.local("combine_seq")) == (1 << 31) + 1
+        assert not d.timed_out()
+
+
 @pytest.mark.parametrize("R,E,quant", [(2, 8, None), (2, 8, "fp8_block"), (3, 12, "fp8_block")])
 def test_dense_send_kernel_round_trip(R, E, quant):
     """Dense mode by the send kernel (K 8: nearly every token reaches every rank; fp8 rows, or bf16 with
@@ -594,7 +625,7 @@ def test_layout_scan_matches_torch(monkeypatch):
     g = torch.Generator().manual_seed(0)
     table = torch.randint(0, 5, (B, L), generator=g, dtype=torch.int32)
     recv_count = torch.randint(0, 50, (2, R), generator=g, dtype=torch.int32)
-    seq = torch.tensor([7], dtype=torch.int32)
+    seq = torch.tensor([7], dtype=torch.int64)
     counts, offsets, start, recv = (t.cpu() for t in ht.layout_scan(table.to(_EMU_DEVICE), recv_count.to(_EMU_DEVICE),
                                                                      seq.to(_EMU_DEVICE)))
     want_counts = table.sum(0, dtype=torch.int32)
@@ -605,20 +636,21 @@ def test_layout_scan_matches_torch(monkeypatch):
 
 
 def test_size_word_at_its_largest_fields():
-    """layout_count's size word at epoch 130 (its 7 bits wrap: 2 mod 128), the largest chunk count and
-    a large pair count: batch_size reads back what the ranks sent, and no other epoch's word."""
+    """layout_count's size word at epoch 2^40 + 130 (its 7 bits wrap: 2 mod 128), the largest chunk count
+    and a large pair count: batch_size reads back what the ranks sent, and no other epoch's word."""
     from epmoe.kernels import ht
     R, C, K, L = 2, 1, 1, 1
-    i32 = dict(dtype=torch.int32, device=_EMU_DEVICE)
-    chunks = torch.tensor([[ht.MAX_CHUNKS.value - 1, 3], [1, 1]], **i32)  # parity 130 % 2 = 0: row 0
+    epoch = 2 ** 40 + 130
+    i32, i64 = (dict(dtype=dtype, device=_EMU_DEVICE) for dtype in (torch.int32, torch.int64))
+    chunks = torch.tensor([[ht.MAX_CHUNKS.value - 1, 3], [1, 1]], **i32)  # parity 0: row 0
     pairs = torch.tensor([[2 ** 31 - 1, 6], [0, 0]], **i32)  # summed in int64
-    size_1 = torch.zeros(1, dtype=torch.int64, device=_EMU_DEVICE)
+    size_1 = torch.zeros(1, **i64)
     wait = DeviceWait(err_1=torch.zeros(1, **i32), timeout_ns=10 ** 6)
-    ht.layout_count(torch.full((2, R, C, K), -1, **i32), torch.zeros(2, R, **i32), torch.tensor([130], **i32),
-                    ht.layout_blocks(C, K), L, torch.full((R,), 130, dtype=torch.int64, device=_EMU_DEVICE),
-                    pairs, chunks, size_1, wait)
-    assert ht.batch_size(int(size_1), 130) == (2 ** 31 + 5, ht.MAX_CHUNKS.value - 1)  # (a 32-bit field)
-    assert ht.batch_size(int(size_1), 129) is None and ht.batch_size(int(size_1), 128) is None
+    ht.layout_count(torch.full((2, R, C, K), -1, **i32), torch.zeros(2, R, **i32), torch.tensor([epoch], **i64),
+                    ht.layout_blocks(C, K), L, torch.full((R,), epoch, **i64), pairs, chunks, size_1, wait)
+    assert ht.batch_size(int(size_1), epoch) == (2 ** 31 + 5, ht.MAX_CHUNKS.value - 1)  # (a 32-bit field)
+    assert ht.batch_size(int(size_1), epoch - 1) is None and ht.batch_size(int(size_1), epoch - 2) is None
+    assert wait.err_1.item() == 0
 
 
 @pytest.mark.parametrize("T,R,ids_dtype", [(2500, 3, torch.int64), (1, 2, torch.int32), (0, 4, torch.int64),
@@ -634,7 +666,7 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     L, K, rank = 4, 3, R - 1
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(-1, R * L + 2, (T, K), generator=g).to(ids_dtype)  # R*L, R*L+1: out of range
-    seq = torch.full((1,), 5, dtype=torch.int32, device=_EMU_DEVICE)
+    seq = torch.full((1,), 5, dtype=torch.int64, device=_EMU_DEVICE)
     C = max(T, 1)
     bufs = {name: [torch.full(shape, fill, dtype=dtype, device=_EMU_DEVICE) for _ in range(R)]
             for name, shape, fill, dtype in [("pairs", (2, R), -7, torch.int32), ("recv_count", (2, R), -7, torch.int32),

@@ -32,13 +32,15 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     recv_x [2, R, C, D] (cfg.dtype, or float8_e4m3fn), recv_scale [2, R, C, G] (fp8 only),
     recv_ids int32 [2, R, C, K], recv_w float32 [2, R, C, K], recv_count / pairs / chunks int32 [2, R]
     (tokens and pairs from each rank, and its caller's chunk count), comb [2, R, C, D] cfg.dtype (row
-    (r, s): rank r's partial row of this rank's token in slot s there), comb_ready int32 [R, NI]
+    (r, s): rank r's partial row of this rank's token in slot s there), comb_ready int64 [R, NI]
     (epoch of the latest combine item i that rank r stored here; NI = kernels.combine_items), meta_flag
     / dispatch_flag int64 [R] (monotonic: one add per call from the numbering, per sending program and
     call from the send kernel; copy-engine mode: the epoch, written after the rows), dispatch_seq /
-    combine_seq int32 [1] (epochs, incremented on the device), number_done int32 [1] and control int32
-    [3] (the numbering kernel's finished programs, the combine's tickets and finished programs: used
-    locally, back to 0 after each call; control[2]: a device-side wait of this rank gave up).
+    combine_seq int64 [1] (epochs, incremented on the device; 64 bits, as every flag compared with
+    them: an int32 would wrap after 2^31 calls, weeks of a serving layer), number_done int32 [1] and
+    control int32 [3] (the numbering kernel's finished programs, the combine's tickets and finished
+    programs: used locally, back to 0 after each call; control[2]: a device-side wait of this rank gave
+    up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads rows of that region
 of call n only for tokens with pairs on B; A's combine n then waited for B's remote combine items of
@@ -111,7 +113,7 @@ class HtDispatchPending:
     """What dispatch_send hands to dispatch_recv (and, through the handle, to combine)."""
 
     slot_TR: torch.Tensor  # int32 [T, R]: row of token t in rank r's receive region, -1 if not sent
-    epoch_1: torch.Tensor  # int32 [1]: the call's epoch
+    epoch_1: torch.Tensor  # int64 [1]: the call's epoch
     epoch: int | None  # the same on the host (None in sync_free mode, which does not read the batch size)
     early: HtEarly | None  # host-synced mode over a process group; else the receive makes the layout
     num_tokens: int
@@ -349,14 +351,14 @@ class HtDispatcher(Dispatcher):
             BufferSpec("pairs", (2, R), torch.int32),  # (token, slot) pairs each rank sends here, per parity
             BufferSpec("chunks", (2, R), torch.int32),  # each rank's caller's chunk count, per parity
             BufferSpec("comb", (2, R, C, D), self.cfg.dtype),
-            BufferSpec("comb_ready", (R, kernels.combine_items(C, D, self.launch)), torch.int32),
+            BufferSpec("comb_ready", (R, kernels.combine_items(C, D, self.launch)), torch.int64),
             # the combine's tickets and finished programs, and the error flag of every wait (local)
             BufferSpec("control", (3,), torch.int32),
             BufferSpec("dispatch_flag", (R,), torch.int64),
             BufferSpec("meta_flag", (R,), torch.int64),
             BufferSpec("number_done", (1,), torch.int32),  # programs of the numbering kernel done (local)
-            BufferSpec("dispatch_seq", (1,), torch.int32),
-            BufferSpec("combine_seq", (1,), torch.int32),
+            BufferSpec("dispatch_seq", (1,), torch.int64),
+            BufferSpec("combine_seq", (1,), torch.int64),
         ]
 
     @property

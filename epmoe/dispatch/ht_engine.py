@@ -1,7 +1,7 @@
 """The copy-engine rows of the `ht` dispatcher (its copy_engine mode, see HtDispatcher).
 
 Every token's row goes to row t of each peer's receive region, by the GPU's copy engine, and then the
-call's epoch into the peer's dispatch flag: a fenced 32-bit write (cuStreamWriteValue32,
+call's epoch into the peer's dispatch flag: a fenced 64-bit write (cuStreamWriteValue64,
 epmoe.cuda_driver), so the rows are visible on the peer before the flag. The rows need no numbering,
 so they are queued first, and the epoch is the host's count of calls (equal to the device's: the mode
 refuses CUDA graph capture). Emulated ranks (CPU, run in turn) copy at once with torch.
@@ -28,9 +28,8 @@ class HtCopyEngine:
         self._peers = [r for r in range(R) if r != rank]
         # [parity][r]: this rank's rows at rank r, [C, D]
         self._rows_at = [[ws.peer("recv_x", r)[parity, rank] for r in range(R)] for parity in range(2)]
-        # [r]: the int32 low word of dispatch_flag[this rank] at rank r (an int64 that only this rank writes,
-        # with epochs < 2^31; little-endian)
-        self._flag_at = [ws.peer("dispatch_flag", r).view(torch.int32)[2 * rank:][:1] for r in range(R)]
+        # [r]: dispatch_flag[this rank] at rank r (only this rank writes it)
+        self._flag_at = [ws.peer("dispatch_flag", r)[rank:][:1] for r in range(R)]
 
     def send_rows(self, x_TD: torch.Tensor, epoch: int, stream: torch.cuda.Stream | None) -> None:
         """x_TD's rows into every peer's receive region (parity epoch % 2, this rank, row t), then epoch

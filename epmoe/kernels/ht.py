@@ -217,7 +217,7 @@ def _number_fix_kernel(ids_ptr, w_ptr, slot_ptr, table_ptr, seq_ptr, epoch_ptr, 
         slot = tl.where(slot >= 0, slot + base[None, :], -1)
         tl.store(at, slot, mask=tmask)
     epoch = tl.load(epoch_ptr)
-    parity = epoch % 2
+    parity = (epoch % 2).to(tl.int32)
     if b == 0:
         rows = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens
         pairs = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -269,7 +269,7 @@ def _dispatch_send_kernel(x_ptr, slot_ptr, seq_ptr, recv_x_peers, recv_scale_pee
     if DENSE:
         parity = dense_parity
     else:
-        parity = tl.load(seq_ptr) % 2
+        parity = (tl.load(seq_ptr) % 2).to(tl.int32)
     BLOCK: tl.constexpr = 128
     # a step as [ROWS, BLOCK_G, 128]: group g of a row holds columns [128 g, 128 g + 128)
     cols = tl.arange(0, BLOCK_G)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -371,7 +371,7 @@ def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, c
         tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
-    tl.atomic_xchg(_peer(ready_peers, r, tl.int32) + rank * NI + i, epoch, sem="release", scope="sys")
+    tl.atomic_xchg(_peer(ready_peers, r, tl.int64) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -445,7 +445,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
     control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
     epoch = tl.load(seq_ptr) + REMOTE  # the remote half opens the call's epoch (stored back at the end)
-    parity = epoch % 2
+    parity = (epoch % 2).to(tl.int32)
     items = 0
     if REMOTE:
         for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
@@ -486,7 +486,7 @@ def _block_pairs(count_ptr, seq_ptr, R: tl.constexpr, K: tl.constexpr, BLOCK_S: 
     BLOCK_S) from rank r, slots k < BLOCK_K, flattened as j = (s - b * BLOCK_S) * BLOCK_K + k.
     Returns (r, parity, j, s, k, pair): pair marks the real ones (s below the count, k < K)."""
     r = tl.program_id(0)
-    parity = tl.load(seq_ptr) % 2
+    parity = (tl.load(seq_ptr) % 2).to(tl.int32)
     count = tl.load(count_ptr + parity * R + r)
     j = tl.arange(0, BLOCK_S * BLOCK_K)
     s = tl.program_id(1) * BLOCK_S + j // BLOCK_K
@@ -548,7 +548,7 @@ def _layout_scan_kernel(table_ptr, count_ptr, seq_ptr, counts_ptr, offsets_ptr, 
         tl.store(counts_ptr + ll, totals, mask=lmask)
         tl.store(offsets_ptr + ll, ends - totals, mask=lmask)
         tl.store(offsets_ptr + L, tl.sum(totals, axis=0))
-        parity = tl.load(seq_ptr) % 2
+        parity = (tl.load(seq_ptr) % 2).to(tl.int32)
         rr = tl.arange(0, BLOCK_R)
         tl.store(recv_counts_ptr + rr, tl.load(count_ptr + parity * R + rr, mask=rr < R), mask=rr < R)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -600,7 +600,7 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
 
     Returns slot_TR int32 [T, R]: row of token t in rank r's receive region (tokens keep their order;
     dense: row t itself, every rank getting all T rows, those of tokens not meant for it with ids -1),
-    -1 when none of its ids is on r; epoch_1 int32 [1]: this call's epoch (seq_1 after its increment
+    -1 when none of its ids is on r; epoch_1 int64 [1]: this call's epoch (seq_1 after its increment
     on the device). Stores the tokens and the (token, slot) pairs sent to rank r, and `chunks` (the
     caller's chunk count, in [1, MAX_CHUNKS): `layout_count` passes the largest on to the host), into
     r's "recv_count", "pairs" and "chunks" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's
@@ -615,7 +615,7 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     R = world_size
     dev = ids_TK.device
     slot_TR = torch.empty(T, R, dtype=torch.int32, device=dev)
-    epoch_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    epoch_1 = torch.empty(1, dtype=torch.int64, device=dev)
     NT = max(1, triton.cdiv(T, NUMBER_BLOCK))
     table_2TR = torch.empty(2, NT, R, dtype=torch.int32, device=dev)
     BLOCK_R = triton.next_power_of_2(R)
@@ -634,7 +634,7 @@ def dispatch_send(x_TD: torch.Tensor, slot_TR: torch.Tensor, seq_1: torch.Tensor
     """Store every token's row once into each destination rank's receive region and signal.
 
     x_TD: [T, D] cfg.dtype; slot_TR: int32 [T, R], the token's row at rank r (-1: not sent there);
-    seq_1: int32 [1] this call's epoch (already incremented); peers: address tables (int64 [R]) of
+    seq_1: int64 [1] this call's epoch (already incremented); peers: address tables (int64 [R]) of
     "recv_x", "recv_scale" (fp8), "dispatch_flag".
     """
     _send(x_TD, slot_TR, seq_1, peers, rank, slot_TR.shape[1], capacity, fp8, launch, dense_parity=-1)
@@ -693,9 +693,9 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
 
     y_ND: expert outputs [N, D] cfg.dtype; pos_PK: int32 [P, K] row of y for each received (row, slot)
     pair, -1 none; weights_PK: float32 [P, K]; counts_R: int32 [R] rows received from each rank;
-    slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int32 [1] the epoch
+    slot_TR: int32 [T, R] this rank's tokens' rows at each rank, -1 none; seq_1: int64 [1] the epoch
     (remote: of the previous call, advanced by the kernel, so that no other kernel needs to; local only:
-    of this call); comb_2RCD: this rank's combine region; ready_RI: int32 [R, NI] this
+    of this call); comb_2RCD: this rank's combine region; ready_RI: int64 [R, NI] this
     rank's ready flags (combine_items); control_3: int32 [3], the tickets and finished programs (zero,
     restored after) and then the error flag, which must be wait.err_1; peers: address tables of "comb"
     and "comb_ready"; out_TD: [T, D] y's dtype, written by the local half.
