@@ -353,12 +353,12 @@ def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, seq_ptr, rank,
                          R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
     row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
-    slot); then ready[rank, i] = epoch on r (release, system scope)."""
+    slot); then ready[rank, i] = the call's epoch (seq + 1) on r (release, system scope)."""
     s = i * ROWS + tl.arange(0, ROWS)
     smask = s < count
     pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
@@ -371,7 +371,7 @@ def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, c
         tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
-    tl.atomic_xchg(_peer(ready_peers, r, tl.int64) + rank * NI + i, epoch, sem="release", scope="sys")
+    tl.atomic_xchg(_peer(ready_peers, r, tl.int64) + rank * NI + i, tl.load(seq_ptr) + 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -444,8 +444,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
     advances it; no program reads seq after that: each reads it before its own control[1] add).
     control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
-    epoch = tl.load(seq_ptr) + REMOTE  # the remote half opens the call's epoch (stored back at the end)
-    parity = (epoch % 2).to(tl.int32)
+    # the remote half opens the call's epoch, seq + 1 (stored back at the end); the 64-bit epoch is
+    # reloaded where it is used (kept live through the loop, it cost 31 registers under triton 3.6)
+    parity = ((tl.load(seq_ptr) + REMOTE) % 2).to(tl.int32)
     items = 0
     if REMOTE:
         for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
@@ -462,13 +463,13 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
                 r = (rank + 1 + q) % R
                 count = tl.load(count_ptr + r)
                 if i * ROWS < count:
-                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
-                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity,
+                                         seq_ptr, rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
         elif LOCAL:
             j = i - lag
             if (j >= 0) & (j * ROWS < T):
-                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS,
-                               INTERPRET)
+                _wait_partials(slot_ptr, ready_ptr, j, T, tl.load(seq_ptr) + REMOTE, rank, control_ptr + 2,
+                               TIMEOUT_NS, R, NI, ROWS, INTERPRET)
                 _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                                     R, C, D, K, BLOCK_K, CHUNK, ROWS)
         ticket = tl.atomic_add(control_ptr, 1)
@@ -476,7 +477,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
         tl.store(control_ptr, 0)
         tl.store(control_ptr + 1, 0)
         if REMOTE:
-            tl.store(seq_ptr, epoch)
+            tl.store(seq_ptr, tl.load(seq_ptr) + 1)
 
 
 @triton.jit
