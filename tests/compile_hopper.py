@@ -23,7 +23,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages):
+def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages, maxnreg=None):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     names = fn.arg_names  # attributes are keyed by the kernel's parameter positions
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -33,7 +33,7 @@ def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages):
         print(f"ASTSource signature differs: {exc}")
         sys.exit(3)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg))
 
 
 def _resource_usage(kernel, key: str) -> int:

@@ -1,6 +1,7 @@
 """Compile the `ht` kernels for sm_90 without a GPU (ptxas ships with triton), with the launch configs the
 launchers pick on an H200 (132 SMs) for the benchmark shape (D 7168, K 8, L 128; bf16 and fp8) and a small
-one; fails on compiler errors, register spills, more than 128 registers in the combine at R 2, and on
+one; fails on compiler errors, register spills (the combine, compiled under its register cap as
+ht_launch sets it: more than COMBINE_SPILL_BYTES), more than 128 registers in the combine at R 2, and on
 16-byte vector accesses missing from the row copies of the benchmark shape. Also compiles the combine
 at R 8. Run by test_ht.py in a process without TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot
 be driven this way (skip)."""
@@ -14,13 +15,16 @@ from epmoe.kernels.sync import _barrier_kernel
 
 SMS = 132
 COMBINE_REGISTERS = 128  # 4 programs of 4 warps an SM (65536 registers)
+# spills the combine may have under its cap: ptxas of triton 3.6 (the GPU machine's) spills none at R 2 and
+# 80 B at R 8, that of triton 3.9 24 and 72 B
+COMBINE_SPILL_BYTES = 128
 
 
-def check(tag, kernel, failures, vector):
+def check(tag, kernel, failures, vector, spill_limit=0):
     ptx = kernel.asm["ptx"]
     spills, v4 = spill_bytes(kernel), ptx.count("st.global.v4")
     print(f"{tag}: spills {spills} B, 16-byte stores {v4}")
-    if spills:
+    if spills > spill_limit:
         failures.append(f"{tag}: {spills} B of register spills")
     if vector and not v4:
         failures.append(f"{tag}: no 16-byte vector stores")
@@ -28,7 +32,9 @@ def check(tag, kernel, failures, vector):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=4 * SMS, combine_warps=4)
+    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=k.COMBINE_PER_SM * SMS,
+                        combine_warps=k.COMBINE_WARPS,
+                        combine_registers=k.registers_per_thread(k.COMBINE_PER_SM, k.COMBINE_WARPS))
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
         warps = 8 if D * 2 >= 4096 else 4
         G = -(-D // 128)
@@ -57,9 +63,10 @@ def main() -> None:
                      out_ptr="*bf16", T="i32", rank="i32", lag="i32", C="i32", NI="i32"),
                 dict(R=R, D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
                      REMOTE=remote, LOCAL=local, TIMEOUT_NS=60 * 10 ** 9, INTERPRET=False),
-                ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"], launch.combine_warps, 1)
+                ["y_ptr", "pos_ptr", "w_ptr", "comb_ptr", "out_ptr"], launch.combine_warps, 1,
+                launch.combine_registers)
             tag = f"combine R{R} D{D} K{K} remote={remote} local={local}"
-            check(tag, kernel, failures, big)
+            check(tag, kernel, failures, big, COMBINE_SPILL_BYTES)
             regs = registers(kernel)
             print(f"{tag}: {regs} registers")
             if big and remote and R == 2 and regs > COMBINE_REGISTERS:

@@ -754,13 +754,23 @@ def test_refuses_bad_input():
 @pytest.mark.parametrize("field,value,match", [
     ("combine_lag", -1.0, "combine_lag"), ("combine_lag", float("nan"), "combine_lag"),
     ("combine_step", 3000, "power of two"), ("combine_chunk", 1000, "power of two"),
-    ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1")])
+    ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1"),
+    ("combine_registers", 16, "combine_registers"), ("combine_registers", 256, "combine_registers")])
 def test_launch_settings_are_checked(field, value, match):
     from epmoe.kernels.ht import HtLaunch
     good = dict(programs=2, num_warps=1, combine_programs=3, combine_warps=1)
     HtLaunch(**good)
+    HtLaunch(**good, combine_registers=128)
     with pytest.raises(ValueError, match=match):
         HtLaunch(**{**good, field: value})
+
+
+def test_combine_register_cap_fits_its_programs():
+    """Four programs of 4 warps an SM: 128 registers a thread; the cap is a multiple of 8 and at most 255."""
+    from epmoe.kernels.ht import registers_per_thread
+    assert registers_per_thread(4, 4) == 128
+    assert registers_per_thread(3, 4) == 168  # 170 rounded down to ptxas's step
+    assert registers_per_thread(1, 1) == 255
 
 
 def test_cuda_device_gets_an_index(monkeypatch):

@@ -45,6 +45,8 @@ class HtLaunch:
         rows per program step there.
     combine_programs, combine_warps: programs of the combine kernel (they take items by ticket, so any
         number is deadlock-free), and warps of each.
+    combine_registers: the most registers a combine thread may take (ptxas's maxnreg; None: its own
+        choice), so that combine_programs fit on the SMs at once.
     combine_chunk, combine_step: the combine gathers rows in column chunks of combine_chunk elements,
         combine_step elements (rows x chunk) at a time; an item of its work is that many rows
         (`combine_tiles`).
@@ -60,6 +62,7 @@ class HtLaunch:
     combine_chunk: int = 1024
     combine_step: int = 2048
     combine_lag: float = 1.0
+    combine_registers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("programs", "combine_programs"):
@@ -71,6 +74,8 @@ class HtLaunch:
                 raise ValueError(f"HtLaunch.{name} must be a power of two, got {value}")
         if not 0 <= self.combine_lag < float("inf"):  # a negative lag would hand out local items early
             raise ValueError(f"HtLaunch.combine_lag must be finite and >= 0, got {self.combine_lag}")
+        if self.combine_registers is not None and not 24 <= self.combine_registers <= 255:
+            raise ValueError(f"HtLaunch.combine_registers must be None or in [24, 255], got {self.combine_registers}")
 
     @staticmethod
     def rows(hidden: int) -> int:
@@ -97,18 +102,34 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, the lag one wave."""
+    COMBINE_CHUNK, COMBINE_STEP, the lag one wave; its registers capped so that the four programs fit
+    (`registers_per_thread`: 128 a thread; left to ptxas, triton 3.6 took 145 once the epoch was 64-bit,
+    three programs an SM, and 114 before: the cap made the 4096-token combine on 2 H200s 212-213 µs
+    against 223-225 uncapped with 114 and 224-229 with 145, 8192 tokens 386-390 against 407-411 and
+    414-418; notes/runs/2026-11-30-s13, call 5)."""
     tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=warps, combine_programs=4 * sms,
-                    combine_warps=4, **tiles)
+    return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=warps, combine_programs=COMBINE_PER_SM * sms,
+                    combine_warps=COMBINE_WARPS, combine_registers=registers_per_thread(COMBINE_PER_SM, COMBINE_WARPS),
+                    **tiles)
+
+
+def registers_per_thread(programs: int, warps: int) -> int:
+    """The most registers a thread of `programs` programs of `warps` warps each may take for them all to
+    fit on one SM (SM_REGISTERS; ptxas allocates in steps of 8 a thread, at most 255)."""
+    return min(255, SM_REGISTERS // (programs * warps * 32) // 8 * 8)
 
 
 # share of the SMs that run a dispatch send program
 SEND_SM_SHARE = 0.8
+# combine programs an SM and warps of each
+COMBINE_PER_SM = 4
+COMBINE_WARPS = 4
+# 32-bit registers of an SM (every NVIDIA GPU since Volta, H100 / H200 included)
+SM_REGISTERS = 65536
 
 
 # combine: columns per gathered load, and elements (rows x columns) per program step and item
@@ -353,12 +374,12 @@ def _weighted_chunk(y_ptr, pos_RK, w_RK, c, cmask, D: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, seq_ptr, rank,
+def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch, rank,
                          R: tl.constexpr, C, NI, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          CHUNK: tl.constexpr, ROWS: tl.constexpr):
     """Item i of the rows received from rank r (slots [i * ROWS, (i + 1) * ROWS) below count): each
     row's weighted local results, rounded to y's dtype, stored into r's combine region at (this rank,
-    slot); then ready[rank, i] = the call's epoch (seq + 1) on r (release, system scope)."""
+    slot); then ready[rank, i] = epoch on r (release, system scope)."""
     s = i * ROWS + tl.arange(0, ROWS)
     smask = s < count
     pos_RK, w_RK = _pairs_of_rows(pos_ptr, w_ptr, r * C + s, smask, K, BLOCK_K)
@@ -371,7 +392,7 @@ def _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, c
         tl.store(tl.multiple_of(dst + c[None, :], [1, 16]), acc.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=smask[:, None] & cmask[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the one release below
-    tl.atomic_xchg(_peer(ready_peers, r, tl.int64) + rank * NI + i, tl.load(seq_ptr) + 1, sem="release", scope="sys")
+    tl.atomic_xchg(_peer(ready_peers, r, tl.int64) + rank * NI + i, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -444,9 +465,8 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
     advances it; no program reads seq after that: each reads it before its own control[1] add).
     control[2] is the error flag of the waits (TIMEOUT_NS; the flag and the
     timeout are not parameters of their own: two more parameters made ptxas take ~35 more registers)."""
-    # the remote half opens the call's epoch, seq + 1 (stored back at the end); the 64-bit epoch is
-    # reloaded where it is used (kept live through the loop, it cost 31 registers under triton 3.6)
-    parity = ((tl.load(seq_ptr) + REMOTE) % 2).to(tl.int32)
+    epoch = tl.load(seq_ptr) + REMOTE  # the remote half opens the call's epoch (stored back at the end)
+    parity = (epoch % 2).to(tl.int32)
     items = 0
     if REMOTE:
         for src in tl.static_range(R):  # scalar loads: a reduced vector here cost ~70 registers a thread
@@ -463,13 +483,13 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
                 r = (rank + 1 + q) % R
                 count = tl.load(count_ptr + r)
                 if i * ROWS < count:
-                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity,
-                                         seq_ptr, rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
+                    _combine_remote_item(y_ptr, pos_ptr, w_ptr, comb_peers, ready_peers, r, i, count, parity, epoch,
+                                         rank, R, C, NI, D, K, BLOCK_K, CHUNK, ROWS)
         elif LOCAL:
             j = i - lag
             if (j >= 0) & (j * ROWS < T):
-                _wait_partials(slot_ptr, ready_ptr, j, T, tl.load(seq_ptr) + REMOTE, rank, control_ptr + 2,
-                               TIMEOUT_NS, R, NI, ROWS, INTERPRET)
+                _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI, ROWS,
+                               INTERPRET)
                 _combine_local_item(y_ptr, pos_ptr, w_ptr, slot_ptr, comb_ptr, out_ptr, j, T, parity, rank,
                                     R, C, D, K, BLOCK_K, CHUNK, ROWS)
         ticket = tl.atomic_add(control_ptr, 1)
@@ -477,7 +497,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, count_ptr, slot_ptr, seq_ptr, comb_pt
         tl.store(control_ptr, 0)
         tl.store(control_ptr + 1, 0)
         if REMOTE:
-            tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+            tl.store(seq_ptr, epoch)
 
 
 @triton.jit
@@ -711,7 +731,7 @@ def combine(y_ND: torch.Tensor, pos_PK: torch.Tensor, weights_PK: torch.Tensor, 
         control_3, out_TD, T, rank, launch.combine_lag_iterations(R) if remote and local else 0, R=R, C=C,
         NI=ready_RI.shape[1], D=D, K=K, BLOCK_K=triton.next_power_of_2(K), CHUNK=chunk, ROWS=rows,
         REMOTE=remote, LOCAL=local, TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret,
-        num_warps=launch.combine_warps)
+        num_warps=launch.combine_warps, maxnreg=launch.combine_registers)
 
 
 def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.Tensor, blocks: LayoutBlocks,
