@@ -28,7 +28,9 @@ from epmoe.launch import spawn
 
 # (dispatch programs per SM (a fraction: SMs left to the numbering and layout), dispatch warps,
 # combine programs per SM, combine warps[, combine columns
-# per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile
+# per load, elements per step[, combine lag in waves]]); each new setting of warps or tiles costs a compile.
+# The combine's registers are capped so that its programs per SM fit (kernels.registers_per_thread, as
+# ht_launch does), unless --uncapped
 SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
@@ -66,6 +68,7 @@ class _SizeTiming:
 
 def _rank(ctx, args):
     from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.kernels.ht import registers_per_thread
     timing = _SizeTiming(HtDispatcher) if args.size_timing else None
 
     T, D, K, E = args.tokens, 7168, 8, 256
@@ -82,8 +85,10 @@ def _rank(ctx, args):
             # a fresh dispatcher per setting: the flags count one signal per program of its launch
             d = HtDispatcher(cfg, ctx.group, dense=False if args.sparse else None,
                              copy_engine=False if args.send_kernel or args.sparse else None,
-                             launch=dataclasses.replace(default, programs=int(dp * sms), num_warps=dw,
-                                                        combine_programs=cp * sms, combine_warps=cw, **combine))
+                             launch=dataclasses.replace(
+                                 default, programs=int(dp * sms), num_warps=dw, combine_programs=cp * sms,
+                                 combine_warps=cw, combine_registers=None if args.uncapped else
+                                 registers_per_thread(cp, cw), **combine))
             kept.append(d)
             t = time_dispatcher(d, inputs, warmup=3, iters=args.iters)
             if timing is not None:
@@ -138,6 +143,7 @@ def main() -> None:
     p.add_argument("--settings", default=";".join(",".join(map(str, s)) for s in SETTINGS),
                    help="';'-separated settings 'dispatch programs/SM,warps,combine programs/SM,warps[,chunk,step[,lag]]'")
     p.add_argument("--fp8-only", action="store_true")
+    p.add_argument("--uncapped", action="store_true", help="leave the combine's registers to ptxas")
     p.add_argument("--bf16-only", action="store_true")
     p.add_argument("--send-kernel", action="store_true", help="bf16 rows by the send kernel, not the copy engine")
     p.add_argument("--sparse", action="store_true", help="rows only where they have an expert, after the numbering "
