@@ -371,14 +371,21 @@ def test_copy_engine_and_send_kernel_dispatchers_side_by_side(monkeypatch):
 
 
 def _age(dispatchers, calls: int) -> None:
-    """Leave every rank's epochs, the flags that count calls and the host's count as `calls` dispatches
-    and combines of these dispatchers leave them."""
+    """Leave every rank's epochs, the flags that count calls, the host's count and its batch-size words
+    as `calls` dispatches and combines of these dispatchers leave them."""
+    from epmoe.kernels import ht
     for d in dispatchers:
         for name in ("dispatch_seq", "combine_seq", "meta_flag"):  # the numbering signals once a call
             d.ws.local(name).fill_(calls)
-        # the copy engine's flag holds the epoch; the send kernel's programs signal once each a call
-        d.ws.local("dispatch_flag").fill_(calls * (1 if d.copy_engine else d.launch.programs))
+        # the copy engine's flag holds the epoch (no rank stamps its own); the send kernel's programs signal
+        # once each a call
+        flags = d.ws.local("dispatch_flag")
+        flags.fill_(calls * (1 if d.copy_engine else d.launch.programs))
+        if d.copy_engine:
+            flags[d.rank] = 0
         d._dispatch_calls = calls
+        for epoch in (calls, calls - 1):  # each parity's word: its latest epoch's (rows 0, one chunk)
+            d._sizes[epoch % 2, 0] = (epoch % ht.SIZE_EPOCHS.value) << 56 | 1 << 32
 
 
 @pytest.mark.parametrize("options", [dict(), dict(copy_engine=True), dict(sync_free=True), dict(quant="fp8_block")])
@@ -388,7 +395,7 @@ def test_epochs_past_two_to_the_31(options):
     and the waits passed before their signals)."""
     quant = options.pop("quant", None)
     cfg = _cfg(E=4, K=2, D=128, C=6, quant=quant)
-    dispatchers = make_world(cfg, 2, **options)
+    dispatchers = make_world(cfg, 2, wait_timeout_s=0.01, **options)  # a wait left unmet fails, not hangs
     _age(dispatchers, (1 << 31) - 2)
     for call in range(3):
         inputs = []
@@ -755,7 +762,7 @@ def test_refuses_bad_input():
     ("combine_lag", -1.0, "combine_lag"), ("combine_lag", float("nan"), "combine_lag"),
     ("combine_step", 3000, "power of two"), ("combine_chunk", 1000, "power of two"),
     ("combine_warps", 3, "power of two"), ("combine_programs", 0, ">= 1"), ("programs", 0, ">= 1"),
-    ("combine_registers", 16, "combine_registers"), ("combine_registers", 256, "combine_registers")])
+    ("combine_registers", 0, "combine_registers"), ("combine_registers", 256, "combine_registers")])
 def test_launch_settings_are_checked(field, value, match):
     from epmoe.kernels.ht import HtLaunch
     good = dict(programs=2, num_warps=1, combine_programs=3, combine_warps=1)
@@ -792,8 +799,9 @@ def test_registry_lists_ht():
 
 
 def test_kernels_compile_for_hopper():
-    """The ht kernels compile for sm_90 (H100/H200) with the launch configs used there: no spills, 16-byte
-    vector stores on the big rows (tests/compile_ht.py, in a process without the interpreter)."""
+    """The ht kernels compile for sm_90 (H100/H200) with the launch configs used there: no spills (the
+    combine, under its register cap: a few words), 16-byte vector stores on the big rows
+    (tests/compile_ht.py, in a process without the interpreter)."""
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the kernels themselves")
     root = Path(__file__).resolve().parents[1]

@@ -45,8 +45,8 @@ class HtLaunch:
         rows per program step there.
     combine_programs, combine_warps: programs of the combine kernel (they take items by ticket, so any
         number is deadlock-free), and warps of each.
-    combine_registers: the most registers a combine thread may take (ptxas's maxnreg; None: its own
-        choice), so that combine_programs fit on the SMs at once.
+    combine_registers: the most registers a combine thread may take (ptxas's maxnreg, up to the 255 a
+        thread can have; None: ptxas's own choice), so that combine_programs fit on the SMs at once.
     combine_chunk, combine_step: the combine gathers rows in column chunks of combine_chunk elements,
         combine_step elements (rows x chunk) at a time; an item of its work is that many rows
         (`combine_tiles`).
@@ -74,8 +74,8 @@ class HtLaunch:
                 raise ValueError(f"HtLaunch.{name} must be a power of two, got {value}")
         if not 0 <= self.combine_lag < float("inf"):  # a negative lag would hand out local items early
             raise ValueError(f"HtLaunch.combine_lag must be finite and >= 0, got {self.combine_lag}")
-        if self.combine_registers is not None and not 24 <= self.combine_registers <= 255:
-            raise ValueError(f"HtLaunch.combine_registers must be None or in [24, 255], got {self.combine_registers}")
+        if self.combine_registers is not None and not 1 <= self.combine_registers <= 255:
+            raise ValueError(f"HtLaunch.combine_registers must be None or in [1, 255], got {self.combine_registers}")
 
     @staticmethod
     def rows(hidden: int) -> int:
@@ -102,11 +102,12 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
     bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
     scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, the lag one wave; its registers capped so that the four programs fit
-    (`registers_per_thread`: 128 a thread; left to ptxas, triton 3.6 took 145 once the epoch was 64-bit,
-    three programs an SM, and 114 before: the cap made the 4096-token combine on 2 H200s 212-213 µs
-    against 223-225 uncapped with 114 and 224-229 with 145, 8192 tokens 386-390 against 407-411 and
-    414-418; notes/runs/2026-11-30-s13, call 5)."""
+    COMBINE_CHUNK, COMBINE_STEP, the lag one wave; its registers capped at what lets the four programs
+    fit (`registers_per_thread`: 128 a thread). Left to itself, ptxas of triton 3.6 took 145 once the
+    epoch was 64-bit (three programs an SM) and 114 before it (four, with budget unused); capped, it
+    uses the whole budget: a 4096-token combine on 2 H200s took 212-213 µs against 223-225 with 114
+    and 224-229 with 145, 8192 tokens 386-390 against 407-411 and 414-418 (notes/runs/2026-11-30-s13,
+    call 5)."""
     tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
@@ -627,9 +628,9 @@ def number_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor, seq_1: torch.Te
     r's "recv_count", "pairs" and "chunks" buffers (int32 [2, R], at [epoch % 2, rank]) and each token's
     destination-local ids and weights into each destination's "recv_ids" / "recv_w" at the token's slot,
     then signals r's "meta_flag"[rank] once (peers: address tables, int64 [R], of those buffers).
-    ids_TK: int32/int64 [T, K] global ids, -1 none; weights_TK: float32 [T, K]; done_1: int32 [1], zero:
-    a counter of the second kernel's finished programs. Two kernels (T / NUMBER_BLOCK programs each), no
-    host sync."""
+    ids_TK: int32/int64 [T, K] global ids, -1 none; weights_TK: float32 [T, K]; seq_1: int64 [1], the
+    previous call's epoch; done_1: int32 [1], zero: a counter of the second kernel's finished programs.
+    Two kernels (T / NUMBER_BLOCK programs each), no host sync."""
     if not 1 <= chunks < MAX_CHUNKS.value:
         raise ValueError(f"chunks must be in [1, {MAX_CHUNKS.value}), got {chunks}")
     T, K = ids_TK.shape
@@ -690,7 +691,7 @@ def copy_rows(src_TD: torch.Tensor, dst_TD: torch.Tensor, launch: HtLaunch) -> N
 
 def wait_flags(flag_R: torch.Tensor, seq_1: torch.Tensor, programs: int, wait: DeviceWait, skip: int = -1) -> None:
     """Block the stream (one spinning program) until every rank's `programs` signalling programs
-    signalled epoch seq_1 into flag_R (flag_R[skip] excepted), or `wait` gives up."""
+    signalled epoch seq_1 (int64 [1]) into flag_R (flag_R[skip] excepted), or `wait` gives up."""
     _wait_kernel[(1,)](flag_R, seq_1, wait.err_1, wait.timeout_ns, skip, R=flag_R.shape[0], PROGRAMS=programs,
                        INTERPRET=wait.interpret, num_warps=1)
 
@@ -738,7 +739,8 @@ def layout_count(recv_ids: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.
                  num_local_experts: int, flag_R: torch.Tensor, pairs_2R: torch.Tensor, chunks_2R: torch.Tensor,
                  size_1: torch.Tensor, wait: DeviceWait) -> torch.Tensor:
     """Per block of received rows, pairs of each local expert, once the rows' senders' numbering of
-    epoch seq_1 has signalled flag_R (spins on the device, or until `wait` gives up; no host sync).
+    epoch seq_1 (int64 [1]) has signalled flag_R (spins on the device, or until `wait` gives up; no host
+    sync).
 
     Returns table_BL int32 [B, L]. Writes size_1 int64 [1] (pinned host memory on a GPU, which the
     kernel writes through to; read it with `batch_size`): the epoch, the largest chunk count of any rank
@@ -778,7 +780,7 @@ def layout_scan(table_BL: torch.Tensor, recv_count: torch.Tensor, seq_1: torch.T
     """From the per-block counts table_BL int32 [B, L]: counts_L int32 [L], offsets_L1 int32 [L+1]
     (exclusive prefix sum), start_BL int32 [B, L] (batch row of each block's first pair of each
     expert) and recv_counts_R int32 [R] (rows received from each rank, parity seq_1 % 2 of
-    recv_count [2, R]). One program per SCAN_EXPERTS experts, no host sync."""
+    recv_count [2, R]; seq_1 int64 [1], the epoch). One program per SCAN_EXPERTS experts, no host sync."""
     B, L = table_BL.shape
     R = recv_count.shape[1]
     dev = table_BL.device
@@ -802,7 +804,8 @@ def layout_place(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch
     Returns pos_PK int32 [P, K] (batch row of each received pair, -1 none; rows past a source's count
     are left unset), weights_PK float32 [P, K], and rows_N int32 [max_rows]: the batch's row index into
     recv_x viewed as [2 * R * C, D] (0 past the valid rows). start_BL: int32 [B, L], the batch row of
-    each block's first pair of each expert; max_rows: at least the valid rows.
+    each block's first pair of each expert; max_rows: at least the valid rows; seq_1: int64 [1], the
+    epoch.
     """
     _, R, C, K = recv_ids.shape
     L = start_BL.shape[1]
