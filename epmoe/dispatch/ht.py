@@ -37,10 +37,10 @@ Workspace (symmetric, set up once; per-call regions twice, chosen by the parity 
     / dispatch_flag int64 [R] (monotonic: one add per call from the numbering, per sending program and
     call from the send kernel; copy-engine mode: the epoch, written after the rows), dispatch_seq /
     combine_seq int64 [1] (epochs, incremented on the device; 64 bits, as every flag compared with
-    them: an int32 would wrap after 2^31 calls, weeks of a serving layer), number_done int32 [1] and
-    control int32 [3] (the numbering kernel's finished programs, the combine's tickets and finished
-    programs: used locally, back to 0 after each call; control[2]: a device-side wait of this rank gave
-    up).
+    them: an int32 went negative after 2^31 calls, 8 months of a layer called 100 times a second),
+    number_done int32 [1] and control int32 [3] (the numbering kernel's finished programs, the
+    combine's tickets and finished programs: used locally, back to 0 after each call; control[2]: a
+    device-side wait of this rank gave up).
 Why two copies suffice: with at most two dispatches not yet combined on every rank, source A's
 dispatch n+2 writes only A's own regions ([parity, A, ...]) at each peer B. B reads rows of that region
 of call n only for tokens with pairs on B; A's combine n then waited for B's remote combine items of
