@@ -1,8 +1,9 @@
 """Compile the `ht` kernels for sm_90 without a GPU (ptxas ships with triton), with the launch configs the
 launchers pick on an H200 (132 SMs) for the benchmark shape (D 7168, K 8, L 128; bf16 and fp8) and a small
 one; fails on compiler errors, register spills (the combine, compiled under the register cap ht_launch
-gives it: more than COMBINE_SPILL_BYTES at its R), and on 16-byte vector accesses missing from the row
-copies of the benchmark shape. Also compiles the combine at R 8. Run by test_ht.py in a process without
+gives it: more than COMBINE_SPILL_BYTES at its R), a combine at R 2 taking more registers than let its
+programs share an SM, and on 16-byte vector accesses missing from the row copies of the benchmark
+shape. Also compiles the combine at R 8. Run by test_ht.py in a process without
 TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be driven this way (skip)."""
 import sys
 
@@ -30,11 +31,9 @@ def check(tag, kernel, failures, vector, spill_limit=0):
 
 def main() -> None:
     failures = []
-    launch = k.HtLaunch(programs=SMS, num_warps=8, combine_programs=k.COMBINE_PER_SM * SMS,
-                        combine_warps=k.COMBINE_WARPS,
-                        combine_registers=k.registers_per_thread(k.COMBINE_PER_SM, k.COMBINE_WARPS))
+    fits = k.registers_per_thread(k.COMBINE_PER_SM, k.COMBINE_WARPS)  # registers a combine thread may take
     for D, K, L, big in [(7168, 8, 128, True), (208, 3, 8, False)]:
-        warps = 8 if D * 2 >= 4096 else 4
+        launch = k.gpu_launch(2 * D, SMS)  # bf16 rows
         G = -(-D // 128)
         for fp8 in (False, True):
             for dense in (False, True):
@@ -44,13 +43,13 @@ def main() -> None:
                     dict(x_ptr="*bf16", slot_ptr="*bf16" if dense else "*i32", seq_ptr="*bf16" if dense else "*i64",
                          recv_x_peers="*i64", recv_scale_peers="*i64", flag_peers="*i64", T="i32", rank="i32",
                          dense_parity="i32", C="i32"),
-                    dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D), PROGRAMS=SMS,
-                         DENSE=dense),
-                    ["x_ptr", "slot_ptr"], warps, 1), failures, big)
+                    dict(R=2, D=D, G=G, FP8=fp8, BLOCK_G=triton.next_power_of_2(G), ROWS=launch.rows(D),
+                         PROGRAMS=launch.programs, DENSE=dense),
+                    ["x_ptr", "slot_ptr"], launch.num_warps, 1), failures, big)
         check(f"copy_rows D{D}", compile_hopper(
             k._copy_rows_kernel, dict(src_ptr="*bf16", dst_ptr="*bf16", T="i32"),
-            dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=SMS),
-            ["src_ptr", "dst_ptr"], warps, 1), failures, big)
+            dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=launch.rows(D), PROGRAMS=launch.programs),
+            ["src_ptr", "dst_ptr"], launch.num_warps, 1), failures, big)
         chunk, rows = launch.combine_tiles(D)
         for R, remote, local in ((2, True, True), (2, False, True), (8, True, True)):
             # real ranks (2 and 8); the local half of emulated ones
@@ -65,7 +64,10 @@ def main() -> None:
                 launch.combine_registers)
             tag = f"combine R{R} D{D} K{K} remote={remote} local={local}"
             check(tag, kernel, failures, big, COMBINE_SPILL_BYTES[R])
-            print(f"{tag}: {registers(kernel)} registers (cap {launch.combine_registers})")
+            regs = registers(kernel)
+            print(f"{tag}: {regs} registers (cap {launch.combine_registers})")
+            if big and remote and R == 2 and regs > fits:  # (the cap holds this: guards gpu_launch's cap)
+                failures.append(f"{tag}: {regs} registers, more than {fits} ({k.COMBINE_PER_SM} programs an SM)")
         blocks = k.layout_blocks(4096, K)
         common = dict(R=2, K=K, L=L, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
         check(f"layout_count K{K} L{L}", compile_hopper(
@@ -106,7 +108,7 @@ def main() -> None:
                                          target="i64", rank="i32"), dict(R=2, INTERPRET=False), [], 1, 1)
     compile_hopper(k._wait_kernel, dict(flag_ptr="*i64", seq_ptr="*i64", err_ptr="*i32", timeout_ns="i64",
                                         skip="i32"),
-                   dict(R=2, PROGRAMS=SMS, INTERPRET=False), [], 1, 1)
+                   dict(R=2, PROGRAMS=k.gpu_launch(2 * 7168, SMS).programs, INTERPRET=False), [], 1, 1)
     if failures:
         print("\n".join(failures))
         sys.exit(1)

@@ -108,14 +108,18 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     uses the whole budget: a 4096-token combine on 2 H200s took 212-213 µs against 223-225 with 114
     and 224-229 with 145, 8192 tokens 386-390 against 407-411 and 414-418 (notes/runs/2026-11-30-s13,
     call 5)."""
-    tiles = dict(combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
     if device.type != "cuda":
-        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, **tiles)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    warps = 8 if row_bytes >= 4096 else 4
-    return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=warps, combine_programs=COMBINE_PER_SM * sms,
-                    combine_warps=COMBINE_WARPS, combine_registers=registers_per_thread(COMBINE_PER_SM, COMBINE_WARPS),
-                    **tiles)
+        return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, combine_chunk=COMBINE_CHUNK,
+                        combine_step=COMBINE_STEP)
+    return gpu_launch(row_bytes, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def gpu_launch(row_bytes: int, sms: int) -> HtLaunch:
+    """`ht_launch` on a GPU of `sms` SMs (a pure function of both: tests compile with it)."""
+    return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=8 if row_bytes >= 4096 else 4,
+                    combine_programs=COMBINE_PER_SM * sms, combine_warps=COMBINE_WARPS,
+                    combine_registers=registers_per_thread(COMBINE_PER_SM, COMBINE_WARPS),
+                    combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
 
 
 def registers_per_thread(programs: int, warps: int) -> int:
