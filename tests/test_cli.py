@@ -48,6 +48,9 @@ def test_bench_layer_writes_json(tmp_path):
     assert load["rows_per_rank"] == [pairs] and load["rows_per_expert"]["mean"] == pairs / record["spec"]["num_experts"]
     assert 0 <= load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"]
     assert f"per rank {pairs} (largest / mean 1.00)" in r.stdout
+    from epmoe.bench.experts import mlp_floor  # the busiest rank's rows over all E experts
+    floor = mlp_floor(pairs, record["spec"]["num_experts"], 32, 16, False).ms
+    assert load["experts_floor_ms_h200"] == pytest.approx(floor) and f"takes at least {floor:.3f} ms" in r.stdout
 
 
 def test_bench_unknown_stage_and_missing_module(monkeypatch, capsys):

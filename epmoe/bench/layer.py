@@ -11,7 +11,9 @@ CUDA graph (`+graph`: one replay per call, no host work in it). Time: the slowes
 --repeats calls after --warmup calls, each call between device synchronizations and lined up by a
 barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
 Also printed: how evenly the inputs route, (token, expert) rows per expert and per rank: the rank
-with the most rows has the longest expert GEMMs, and every rank's combine waits for it.
+with the most rows has the longest expert GEMMs, and every rank's combine waits for it; and the floor
+of that rank's expert MLP on an H200 (epmoe.bench.experts.mlp_floor: FLOPs at the measured dense
+peak, or weight and activation bytes at the copy bandwidth, whichever is longer).
 Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from .._table import format_table
 from ..dispatch.ht import HtDispatcher
+from .experts import mlp_floor
 from ..launch import RankContext
 from ..registry import make_dispatcher
 from ..routing import route
@@ -49,10 +52,13 @@ def _expert_load(cfg, logits_TE: torch.Tensor, bias_E: torch.Tensor, group) -> d
     ids = ids_TK.flatten().long()
     rows_E = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
     dist.all_reduce(rows_E, group=group)
-    rows_R = rows_E.view(dist.get_world_size(group), -1).sum(1)
+    R = dist.get_world_size(group)
+    rows_R = rows_E.view(R, -1).sum(1)
+    floor = mlp_floor(int(rows_R.max()), cfg.num_experts // R, cfg.hidden_size, cfg.intermediate_size,
+                      cfg.quant == "fp8_block")
     return {"rows_per_expert": {"min": int(rows_E.min()), "median": int(rows_E.median()), "max": int(rows_E.max()),
                                 "mean": float(rows_E.float().mean())},
-            "rows_per_rank": rows_R.tolist()}
+            "rows_per_rank": rows_R.tolist(), "experts_floor_ms_h200": floor.ms}
 
 
 def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
@@ -114,7 +120,8 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
         e, r = load["rows_per_expert"], load["rows_per_rank"]
         print(f"routing: (token, expert) rows per expert min / median / max {e['min']} / {e['median']} / {e['max']} "
               f"(mean {e['mean']:.0f}); per rank {' / '.join(map(str, r))} (largest / mean "
-              f"{max(r) * len(r) / max(sum(r), 1):.2f})")
+              f"{max(r) * len(r) / max(sum(r), 1):.2f}); the busiest rank's expert MLP on an H200 takes at "
+              f"least {load['experts_floor_ms_h200']:.3f} ms")
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             record = {"bench": "layer", "device": dev.type, "device_name": _device_name(dev),
