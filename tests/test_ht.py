@@ -780,6 +780,14 @@ def test_combine_register_cap_fits_its_programs():
     assert registers_per_thread(1, 1) == 255
 
 
+def test_gpu_launch_on_an_h200():
+    """ht_launch's GPU rule on 132 SMs: what `epmoe bench dispatch` reports running on the H200s."""
+    from epmoe.kernels.ht import HtLaunch, gpu_launch
+    assert gpu_launch(2 * 7168, 132) == HtLaunch(programs=105, num_warps=8, combine_programs=528, combine_warps=4,
+                                                 combine_registers=128)
+    assert gpu_launch(2 * 1024, 132).num_warps == 4
+
+
 def test_cuda_device_gets_an_index(monkeypatch):
     """A dispatcher given device "cuda" keeps its buffers on cuda:N (the current device), as tensors
     made with device="cuda" report it, so that its device check accepts them."""
