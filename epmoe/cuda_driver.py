@@ -3,6 +3,7 @@ on first use: importing this module needs no GPU).
 
 - `write_value`: a stream writes a 64-bit word (cuStreamWriteValue64, after a system-scope memory
   fence: everything the stream did before is visible first), e.g. into a peer's flag over NVLink.
+- `can_write_value`: whether a GPU supports `write_value` (its 64-bit stream memory operations).
 - `copy`: an asynchronous device-to-device copy of raw bytes (cuMemcpyDtoDAsync; peer memory mapped
   into this process counts as device memory): the copy engine, without torch's per-call overhead.
 
@@ -18,6 +19,7 @@ import functools
 import torch
 
 _WRITE_FENCED = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
+_CAN_USE_64_BIT_STREAM_MEM_OPS = 122  # CUdevice_attribute of the v2 stream memory operations (93: v1's)
 
 
 @functools.cache
@@ -25,7 +27,9 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     u64, ptr = ctypes.c_uint64, ctypes.c_void_p
     for name, args in (("cuStreamWriteValue64_v2", (ptr, u64, u64, ctypes.c_uint)),
-                       ("cuMemcpyDtoDAsync_v2", (u64, u64, ctypes.c_size_t, ptr))):
+                       ("cuMemcpyDtoDAsync_v2", (u64, u64, ctypes.c_size_t, ptr)),
+                       ("cuDeviceGet", (ctypes.POINTER(ctypes.c_int), ctypes.c_int)),
+                       ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int))):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     lib.cuGetErrorName.argtypes, lib.cuGetErrorName.restype = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)), ctypes.c_int
@@ -37,6 +41,16 @@ def _check(result: int, what: str) -> None:
         name = ctypes.c_char_p()
         _driver().cuGetErrorName(result, ctypes.byref(name))
         raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else result}")
+
+
+@functools.cache
+def can_write_value(device_index: int) -> bool:
+    """Whether CUDA device `device_index` runs `write_value`: CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    (a driver older than CUDA 12, which does not know it, counts as no). Needs torch to have initialized CUDA."""
+    device, supported = ctypes.c_int(), ctypes.c_int()
+    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    known = _driver().cuDeviceGetAttribute(ctypes.byref(supported), _CAN_USE_64_BIT_STREAM_MEM_OPS, device) == 0
+    return known and bool(supported.value)
 
 
 def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:

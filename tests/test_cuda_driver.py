@@ -1,7 +1,8 @@
 """epmoe.cuda_driver on one GPU: a copy and a fenced flag write queued on a stream behind a kernel of
 another stream that writes its source late (2 ms) move what the kernel wrote; a kernel on a third
 stream that spins on the flag and then reads the copy's destination finds the copied data (the fence
-orders the copy's writes before the flag). The flag is an int64 and its values pass 2^32."""
+orders the copy's writes before the flag). The flag is an int64 and its values pass 2^32; the GPU
+says it has the 64-bit stream memory operations that write it."""
 import pytest
 import torch
 import triton
@@ -40,6 +41,7 @@ def test_write_value_refuses_values_outside_an_int64_flag():
 @pytest.mark.gpu
 def test_copy_then_write_after_a_late_kernel():
     from epmoe import cuda_driver
+    assert cuda_driver.can_write_value(torch.cuda.current_device())
     N = 1024
     src = torch.zeros(N, dtype=torch.int32, device="cuda")
     dst, out = torch.zeros_like(src), torch.zeros_like(src)

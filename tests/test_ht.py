@@ -921,14 +921,22 @@ def _gpu_dense_edges(ctx, copy_engine):
     at once: the side stream's numbering and own-rows copy still read this call's inputs, the rows and
     sums are exact, and every rank gets the largest of the ranks' chunk counts; (2) a numbering that
     fails to queue after the rows and their flag have left marks the dispatcher failed on every rank:
-    timed_out(), and the next dispatch raises."""
+    timed_out(), and the next dispatch raises; (3) the GPU has 64-bit stream memory operations, and
+    without them copy_engine=None picks the send kernel and copy_engine=True is refused."""
     from unittest import mock
 
+    from epmoe import cuda_driver
     from epmoe.dispatch.ht import HtDispatcher
     from epmoe.kernels import ht
     R = ctx.world_size
     E, K, D, T = multiple_of(8, R), 8, 256, 37
     cfg = _cfg(E=E, K=K, D=D, C=T)
+    if not copy_engine:
+        assert cuda_driver.can_write_value(ctx.device.index)
+        with mock.patch.object(cuda_driver, "can_write_value", lambda index: False):
+            assert not HtDispatcher(cfg, ctx.group).copy_engine
+            with pytest.raises(ValueError, match="needs 64-bit stream memory operations"):
+                HtDispatcher(cfg, ctx.group, copy_engine=True)
     d = HtDispatcher(cfg, ctx.group, copy_engine=copy_engine, wait_timeout_s=10.0)
     assert d.dense and d.copy_engine == copy_engine
     for call in range(2):

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import cuda_driver
 from ..config import MoEConfig
 from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ht as kernels
@@ -199,7 +200,8 @@ class HtDispatcher(Dispatcher):
             receive region, all T rows in token order, then the epoch into the peer's flag) instead of
             the send kernel's SM stores: faster on the link (370 vs 350 GB/s per direction on 2
             H200s) and no SM busy with the rows. None (default): on in dense mode for a process group
-            and bf16 rows. True needs dense mode and cfg.quant None.
+            and bf16 rows where the GPU has 64-bit stream memory operations (cuda_driver.can_write_value).
+            True needs dense mode, cfg.quant None and those operations.
         wait_timeout_s: how long a device-side wait spins for the peers' signal before it gives up and
             sets the error flag (`timed_out()`); later waits then return at once with garbage results
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
@@ -329,8 +331,13 @@ class HtDispatcher(Dispatcher):
         return bool(dense)
 
     def _wants_copy_engine(self, copy_engine: bool | None) -> bool:
+        # the copy engine's flag is a 64-bit stream write, which a GPU may lack (H100 / H200 have it)
+        supported = self._emulated or cuda_driver.can_write_value(self.device.index)
         if copy_engine is None:
-            return self.dense and not (self.fp8 or self._emulated)
+            return self.dense and not self.fp8 and supported and not self._emulated
+        if copy_engine and not supported:
+            raise ValueError(f"copy_engine=True needs 64-bit stream memory operations, which {self.device} lacks "
+                             "(use copy_engine=False or None)")
         if copy_engine and self.fp8:
             raise ValueError("copy_engine=True moves the rows as they are: fp8 dispatch quantizes them in the send "
                              "kernel (use copy_engine=False or None)")
