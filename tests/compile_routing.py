@@ -18,8 +18,9 @@ def main() -> None:
     # (E, K, sigmoid, bias, groups, topk_groups)
     for E, K, sigmoid, bias, groups, topk_groups in [(256, 8, True, True, 8, 4), (128, 8, False, False, 0, 0),
                                                      (8, 2, False, False, 0, 0), (160, 6, False, False, 8, 3),
-                                                     (64, 64, True, False, 0, 0), (4096, 8, True, True, 64, 8)]:
-        launch = routing.route_launch(4096, E)
+                                                     (64, 64, True, False, 0, 0), (128, 128, True, False, 0, 0),
+                                                     (4096, 8, True, True, 64, 8)]:
+        launch = routing.route_launch(4096, E, K)
         constexprs = dict(K=K, SIGMOID=sigmoid, HAS_BIAS=bias, GROUPS=groups,
                           GROUP_SIZE=E // groups if groups else 1, TOPK_GROUPS=topk_groups, RENORMALIZE=True,
                           BLOCK_T=launch.block_t, BLOCK_E=launch.block_e,

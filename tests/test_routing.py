@@ -185,7 +185,8 @@ def test_kernel_ranks_nan_scores_first_as_torch_topk_does(version, monkeypatch):
 
 @pytest.mark.gpu
 def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
-    """4096 tokens, 256 experts, DeepSeek-V3's grouped sigmoid choice with a bias (and softmax top-8)."""
+    """4096 tokens, 256 experts, DeepSeek-V3's grouped sigmoid choice with a bias (and softmax top-8); 300
+    tokens at K = E = 64 and at 4096 experts in 64 groups."""
     if version == "torch":
         pytest.skip("compares the two versions")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -194,6 +195,14 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
     for cfg, b in [(_cfg(256, 8, scoring="sigmoid", num_groups=8, topk_groups=4), bias),
                    (_cfg(256, 8), None), (_cfg(128, 8, renormalize=False), None)]:
         x = logits[:, :cfg.num_experts]
+        got, want = _both(monkeypatch, x, cfg, correction_bias_E=b)
+        _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
+    # the launches of other blocks and warps: K = E = 64 (32 tokens a program), 4096 experts (one, 8 warps)
+    wide = torch.randn(300, 4096, device="cuda", generator=g)
+    wide_bias = torch.randn(4096, device="cuda", generator=g) * 0.1
+    for cfg, b in [(_cfg(64, 64, scoring="sigmoid"), None),
+                   (_cfg(4096, 8, scoring="sigmoid", num_groups=64, topk_groups=8), wide_bias)]:
+        x = wide[:, :cfg.num_experts]
         got, want = _both(monkeypatch, x, cfg, correction_bias_E=b)
         _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
     monkeypatch.undo()  # route's own choice of version from here

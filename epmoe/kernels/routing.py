@@ -28,11 +28,15 @@ class RouteLaunch:
     num_warps: int = 4
 
 
-def route_launch(num_tokens: int, num_experts: int) -> RouteLaunch:
-    """_ELEMENTS_PER_PROGRAM scores per program (fewer tokens than that take one program)."""
-    block_e = triton.next_power_of_2(num_experts)
-    return RouteLaunch(block_t=min(max(1, _ELEMENTS_PER_PROGRAM // block_e), triton.next_power_of_2(num_tokens)),
-                       block_e=block_e)
+def route_launch(num_tokens: int, num_experts: int, top_k: int) -> RouteLaunch:
+    """_ELEMENTS_PER_PROGRAM scores per program (fewer tokens than that take one program), counting a
+    token's [BLOCK_K] ids and weights as 2 BLOCK_K columns where that is more than its BLOCK_E scores
+    (E 64, K 64: 64 tokens a program spilled 16 B under triton 3.6's ptxas, 32 none); 8 warps for a
+    program of one token (E 4096 with 64 groups: 4 warps spilled 32 B, 8 none).
+    tests/compile_routing.py checks both."""
+    block_e, block_k = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
+    block_t = min(max(1, _ELEMENTS_PER_PROGRAM // max(block_e, 2 * block_k)), triton.next_power_of_2(num_tokens))
+    return RouteLaunch(block_t=block_t, block_e=block_e, num_warps=8 if block_e >= _ELEMENTS_PER_PROGRAM else 4)
 
 
 @triton.jit
@@ -138,7 +142,7 @@ def route_topk(logits_TE: torch.Tensor, top_k: int, *, sigmoid: bool, correction
     if T == 0:
         return weights_TK, ids_TK
     grouped = num_groups is not None and topk_groups < num_groups
-    launch = route_launch(T, E)
+    launch = route_launch(T, E, top_k)
     bias = correction_bias_E.contiguous() if correction_bias_E is not None else logits_TE  # placeholder if unused
     with torch.cuda.device(logits_TE.device) if logits_TE.is_cuda else nullcontext():  # Triton's launch device
         _route_kernel[(triton.cdiv(T, launch.block_t),)](
