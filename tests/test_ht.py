@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from epmoe.kernels.sync import DeviceWait
 from epmoe.quant import dequantize_act_ref, quantize_act_ref
 from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
+from compile_run import OTHER_TRITONS, assert_compiles
 from gpu_ranks import gpu_test_ranks, multiple_of
 
 _INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
@@ -806,29 +804,12 @@ def test_registry_lists_ht():
     assert HtDispatcher.availability(cfg, EmulatedGroup.world(2)[0]) == (True, "ok")
 
 
-# Other Tritons to compile the ht kernels with besides the installed one: folders, os.pathsep-separated,
-# each holding a triton package (`pip install --target DIR --no-deps triton==X`). .ci/run passes the GPU
-# machine's (3.6), whose ptxas allocates registers differently (the combine: 145 against 110 uncapped).
-_OTHER_TRITONS = [d for d in os.environ.get("EPMOE_OTHER_TRITONS", "").split(os.pathsep) if d]
-
-
-@pytest.mark.parametrize("triton_dir", [None] + _OTHER_TRITONS)
+@pytest.mark.parametrize("triton_dir", [None] + OTHER_TRITONS)
 def test_kernels_compile_for_hopper(triton_dir):
     """The ht kernels compile for sm_90 (H100/H200) with the launch configs used there: no spills (the
     combine, under its register cap: a few words), 16-byte vector stores on the big rows
-    (tests/compile_ht.py, in a process without the interpreter; with the installed triton, or the one
-    in triton_dir)."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU runs the kernels themselves")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([*([triton_dir] if triton_dir else []), str(root), str(root / "tests"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(root / "tests" / "compile_ht.py")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    if proc.returncode == 3:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tests/compile_ht.py; with the installed triton, or the one in triton_dir)."""
+    assert_compiles("compile_ht.py", triton_dir)
 
 
 # -- GPU tests (2 devices, real symmetric memory) ---------------------------------------------------

@@ -5,9 +5,6 @@ is set below, before anything imports triton); with CUDA the same small cases ru
 `gpu`-marked cases add real model shapes.
 """
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -18,6 +15,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from compile_run import assert_compiles  # noqa: E402
 from epmoe import FusedMoE, MoEConfig  # noqa: E402
 from epmoe.experts.grouped_mm import GroupedMMExperts  # noqa: E402
 from epmoe.experts.reference import ReferenceExperts  # noqa: E402
@@ -34,8 +32,6 @@ from epmoe.registry import auto_experts_order, list_experts, resolve_experts  # 
 # numpy math warns on them, though their results are never stored.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SKIP_EXIT = 3  # compile_hopper.py: this Triton cannot be driven that way
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (rtol, atol) for outputs of magnitude ~1 stored in each dtype.
@@ -461,15 +457,7 @@ def test_kernels_compile_for_hopper_with_table_configs():
     """The interpreter does not exercise Triton's compiler front end, which rejects some code the
     interpreter accepts: compile the kernels for sm_90 (no GPU needed) in a process without it.
     With a GPU the other tests compile and run the kernels for real."""
-    if torch.cuda.is_available():
-        pytest.skip("the GPU runs the kernels themselves")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "compile_hopper.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode == SKIP_EXIT:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_compiles("compile_hopper.py")
 
 
 def test_bench_floor_and_table_format(tmp_path):
