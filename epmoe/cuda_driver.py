@@ -46,7 +46,8 @@ def _check(result: int, what: str) -> None:
 @functools.cache
 def can_write_value(device_index: int) -> bool:
     """Whether CUDA device `device_index` runs `write_value`: CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-    (a driver older than CUDA 12, which does not know it, counts as no). Needs torch to have initialized CUDA."""
+    (a driver older than CUDA 12, which does not know it, counts as no)."""
+    torch.cuda.init()  # the driver calls below need cuInit
     device, supported = ctypes.c_int(), ctypes.c_int()
     _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
     known = _driver().cuDeviceGetAttribute(ctypes.byref(supported), _CAN_USE_64_BIT_STREAM_MEM_OPS, device) == 0

@@ -915,7 +915,8 @@ def _gpu_dense_edges(ctx, copy_engine):
     if not copy_engine:
         assert cuda_driver.can_write_value(ctx.device.index)
         with mock.patch.object(cuda_driver, "can_write_value", lambda index: False):
-            assert not HtDispatcher(cfg, ctx.group).copy_engine
+            forced_dense = HtDispatcher(cfg, ctx.group, dense=True)  # where copy_engine=None would pick the engine
+            assert forced_dense.dense and not forced_dense.copy_engine
             with pytest.raises(ValueError, match="needs 64-bit stream memory operations"):
                 HtDispatcher(cfg, ctx.group, copy_engine=True)
     d = HtDispatcher(cfg, ctx.group, copy_engine=copy_engine, wait_timeout_s=10.0)

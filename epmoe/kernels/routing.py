@@ -31,8 +31,9 @@ class RouteLaunch:
 def route_launch(num_tokens: int, num_experts: int, top_k: int) -> RouteLaunch:
     """_ELEMENTS_PER_PROGRAM scores per program (fewer tokens than that take one program), counting a
     token's [BLOCK_K] ids and weights as 2 BLOCK_K columns where that is more than its BLOCK_E scores
-    (E 64, K 64: 64 tokens a program spilled 16 B under triton 3.6's ptxas, 32 none); 8 warps for a
-    program of one token (E 4096 with 64 groups: 4 warps spilled 32 B, 8 none).
+    (E 64, K 64: 64 tokens a program spilled 16 B under triton 3.6's ptxas, 32 none); 8 warps where
+    BLOCK_E alone fills a program (4096 experts, one token a program: with 64 groups 4 warps spilled
+    32 B, 8 none).
     tests/compile_routing.py checks both."""
     block_e, block_k = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
     block_t = min(max(1, _ELEMENTS_PER_PROGRAM // max(block_e, 2 * block_k)), triton.next_power_of_2(num_tokens))
