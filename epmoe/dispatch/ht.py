@@ -332,10 +332,9 @@ class HtDispatcher(Dispatcher):
 
     def _wants_copy_engine(self, copy_engine: bool | None) -> bool:
         # the copy engine's flag is a 64-bit stream write, which a GPU may lack (H100 / H200 have it)
-        supported = self._emulated or cuda_driver.can_write_value(self.device.index)
         if copy_engine is None:
-            return self.dense and not self.fp8 and supported and not self._emulated
-        if copy_engine and not supported:
+            return self.dense and not (self.fp8 or self._emulated) and cuda_driver.can_write_value(self.device.index)
+        if copy_engine and not (self._emulated or cuda_driver.can_write_value(self.device.index)):
             raise ValueError(f"copy_engine=True needs 64-bit stream memory operations, which {self.device} lacks "
                              "(use copy_engine=False or None)")
         if copy_engine and self.fp8:
