@@ -774,6 +774,7 @@ def test_combine_register_cap_fits_its_programs():
     """Four programs of 4 warps an SM: 128 registers a thread; the cap is a multiple of 8 and at most 255."""
     from epmoe.kernels.ht import registers_per_thread
     assert registers_per_thread(4, 4) == 128
+    assert registers_per_thread(6, 4) == 80  # 85 rounded down
     assert registers_per_thread(3, 4) == 168  # 170 rounded down to ptxas's step
     assert registers_per_thread(1, 1) == 255
 
@@ -781,8 +782,9 @@ def test_combine_register_cap_fits_its_programs():
 def test_gpu_launch_on_an_h200():
     """ht_launch's GPU rule on 132 SMs: what `epmoe bench dispatch` reports running on the H200s."""
     from epmoe.kernels.ht import HtLaunch, gpu_launch
-    assert gpu_launch(2 * 7168, 132) == HtLaunch(programs=105, num_warps=8, combine_programs=528, combine_warps=4,
-                                                 combine_registers=128)
+    assert gpu_launch(2 * 7168, 132) == HtLaunch(programs=105, num_warps=8, combine_programs=792, combine_warps=4,
+                                                 combine_registers=80, combine_chunk=2048, combine_step=2048,
+                                                 combine_lag=1.5)
     assert gpu_launch(2 * 1024, 132).num_warps == 4
 
 

@@ -98,19 +98,24 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     297-328 with 66; the numbering and layout kernels run beside the send kernel, and with every SM
     sending they finished late: 2 H200s, fp8 dense dispatch, ready at 4096 / 8192 tokens 128-131 / 225
     us with 132 programs, 117-118 / 196 with 106, 114-115 / 212 with 92, scripts/ht_probe.py,
-    2026-11-30; the default's 105 gave 112 / 195-196 in `epmoe bench dispatch`); four combine
-    programs of 4 warps per SM (as many as fit at R 2-4, for the gathers of expert rows: a 4096-token
-    bf16 combine on 2 H200s took 224-237 us with 4 per SM, 276 with 2, 226-240 with 8,
-    scripts/ht_probe.py, 2026-11-30); a few programs under the interpreter. Combine tiles:
-    COMBINE_CHUNK, COMBINE_STEP, the lag one wave; its registers capped at what lets the four programs
-    fit (`registers_per_thread`: 128 a thread). Left to itself, ptxas of triton 3.6 took 145 once the
-    epoch was 64-bit (three programs an SM) and 114 before it (four, with budget unused); capped, it
-    uses the whole budget: a 4096-token combine on 2 H200s took 212-213 µs against 223-225 with 114
-    and 224-229 with 145, 8192 tokens 386-390 against 407-411 and 414-418 (notes/runs/2026-11-30-s13,
-    call 5)."""
+    2026-11-30; the default's 105 gave 112 / 195-196 in `epmoe bench dispatch`); COMBINE_PER_SM
+    combine programs of COMBINE_WARPS warps per SM, their registers capped at what lets them all fit
+    (`registers_per_thread`), items of COMBINE_STEP elements (one row of D 7168, in chunks of
+    COMBINE_CHUNK), local items COMBINE_LAG waves behind; a few programs under the interpreter.
+    A combine program spends ~20 µs on an item of two rows of D 7168 (K 8), so the ticket order's tail
+    costs about half an item: small items won where more fences and flags did not cost. 2 H200s,
+    bf16, combine at 4096 / 8192 tokens (scripts/ht_probe.py, notes/runs/2026-11-30-s15, calls 4-6):
+    4 per SM, items of 2 rows x chunks of 1024, lag 1: 208-210 / 380-384 µs; 1 row x 1024: 204-205
+    / 386-387; 1 row x 2048: 197-198 / 375; the same at 5, 6, 7 per SM: 192-194 / 362-365, 192-194 /
+    361-363, 194-195 / 357-358; 6 per SM at lag 1.5, 2, 3: 190-191 / 352-353, 192-193 / 354-355,
+    198-200 / 361-362; 8 per SM x 1024: 195-198 / 359; 3 x 8 warps: 210 / 403; items of 4 or 8 rows
+    (a row tile of 2 looped, one release): 221-226 / 391-396, 258-272 / 427-431 (call 2). Capping
+    the registers is what lets the programs share an SM: left to itself ptxas of triton 3.6 took 145
+    registers for the 4-per-SM combine of 2-row items (three programs an SM), which cost 224-229 µs
+    against 212-213 capped (notes/runs/2026-11-30-s13, call 5)."""
     if device.type != "cuda":
         return HtLaunch(programs=2, num_warps=1, combine_programs=3, combine_warps=1, combine_chunk=COMBINE_CHUNK,
-                        combine_step=COMBINE_STEP)
+                        combine_step=COMBINE_STEP, combine_lag=COMBINE_LAG)
     return gpu_launch(row_bytes, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
@@ -119,7 +124,7 @@ def gpu_launch(row_bytes: int, sms: int) -> HtLaunch:
     return HtLaunch(programs=max(1, int(SEND_SM_SHARE * sms)), num_warps=8 if row_bytes >= 4096 else 4,
                     combine_programs=COMBINE_PER_SM * sms, combine_warps=COMBINE_WARPS,
                     combine_registers=registers_per_thread(COMBINE_PER_SM, COMBINE_WARPS),
-                    combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP)
+                    combine_chunk=COMBINE_CHUNK, combine_step=COMBINE_STEP, combine_lag=COMBINE_LAG)
 
 
 def registers_per_thread(programs: int, warps: int) -> int:
@@ -131,15 +136,17 @@ def registers_per_thread(programs: int, warps: int) -> int:
 # share of the SMs that run a dispatch send program
 SEND_SM_SHARE = 0.8
 # combine programs an SM and warps of each
-COMBINE_PER_SM = 4
+COMBINE_PER_SM = 6
 COMBINE_WARPS = 4
 # 32-bit registers of an SM (every NVIDIA GPU since Volta, H100 / H200 included)
 SM_REGISTERS = 65536
 
 
-# combine: columns per gathered load, and elements (rows x columns) per program step and item
-COMBINE_CHUNK = 1024
+# combine: columns per gathered load, elements (rows x columns) per program step and item, and how many
+# waves of tickets its local items trail its remote ones
+COMBINE_CHUNK = 2048
 COMBINE_STEP = 2048
+COMBINE_LAG = 1.5
 
 
 # layout_count's size word: bits 56-62 the epoch mod SIZE_EPOCHS, 32-55 the largest chunk count of any
