@@ -771,7 +771,8 @@ def test_launch_settings_are_checked(field, value, match):
 
 
 def test_combine_register_cap_fits_its_programs():
-    """Four programs of 4 warps an SM: 128 registers a thread; the cap is a multiple of 8 and at most 255."""
+    """Four programs of 4 warps an SM: 128 registers a thread, six (the default): 80; the cap is a multiple of
+    8 and at most 255."""
     from epmoe.kernels.ht import registers_per_thread
     assert registers_per_thread(4, 4) == 128
     assert registers_per_thread(6, 4) == 80  # 85 rounded down
