@@ -104,8 +104,8 @@ def ht_launch(row_bytes: int, device: torch.device) -> HtLaunch:
     COMBINE_CHUNK), local items COMBINE_LAG waves behind; a few programs under the interpreter.
     A combine program spends ~20 µs (estimated: its share of the HBM rate over the bytes it gathers) on an
     item of two rows of D 7168 (K 8), so the ticket order's tail costs about half an item: smaller
-    items (more fences and flags, a shorter tail) won. 2 H200s,
-    bf16, combine at 4096 / 8192 tokens (scripts/ht_probe.py, notes/runs/2026-11-30-s15, calls 4-6):
+    items (more fences and flags, a shorter tail) won. 2 H200s, bf16, combine at 4096 / 8192 tokens
+    (scripts/ht_probe.py, notes/runs/2026-11-30-s15, calls 4-6):
     4 per SM, items of 2 rows x chunks of 1024, lag 1: 208-210 / 380-384 µs; 1 row x 1024: 204-205
     / 386-387; 1 row x 2048: 197-198 / 375; the same at 5, 6, 7 per SM: 192-194 / 362-365, 192-194 /
     361-363, 194-195 / 357-358; 6 per SM at lag 1.5, 2, 3: 190-191 / 352-353, 192-193 / 354-355,
