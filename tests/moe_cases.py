@@ -122,6 +122,21 @@ def case_all_no_expert(name, group, device) -> None:
     expect(torch.equal(out, torch.zeros(T, 8, device=device)), f"{name}: no-expert tokens not zero")
 
 
+def case_top1(name, group, device) -> None:
+    """K = 1: every rank sends a few tokens, then nothing (T = 0), then only -1 ids; at one rank also
+    E = 1. Exact sums."""
+    rank, R = world(group)
+    for E in sorted({R, E_CASES}):
+        cfg = epmoe.MoEConfig(num_experts=E, top_k=1, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+        d = epmoe.make_dispatcher(name, cfg, group)
+        g = torch.Generator().manual_seed(300 + rank)
+        T = 3 + rank
+        for ids in (random_ids(T, E, 1, g), torch.empty(0, 1, dtype=torch.int32), torch.full((T, 1), -1)):
+            n = ids.shape[0]
+            w = 2.0 ** torch.randint(-1, 2, (n, 1), generator=g).float()
+            exact_round_trip(d, exact_tokens(n, 8, rank), ids, w, device)
+
+
 def case_counts(name, group, device) -> None:
     """counts_L/offsets_L1 hold exactly the pairs every rank sent to this rank's experts, rows sorted."""
     rank, R = world(group)
@@ -233,7 +248,7 @@ def case_fused_vs_dense(name, group, device) -> None:
             expect(got.dtype == dtype and err <= tol, f"{name} {dtype}: rel err {err:.2e} > {tol}")
 
 
-CASES = (case_exact, case_one_expert, case_all_no_expert, case_counts, case_bad_input, case_fused_vs_dense)
+CASES = (case_exact, case_top1, case_one_expert, case_all_no_expert, case_counts, case_bad_input, case_fused_vs_dense)
 
 
 def run_case(case, name: str, group, device) -> list[str]:

@@ -27,6 +27,13 @@ class AllToAllHandle:
     num_tokens: int
 
 
+def _as_bytes(t_SX: torch.Tensor) -> torch.Tensor:
+    """uint8 [S, X * itemsize] of a [S, X] tensor; any strides (an empty or one-column tensor may carry a
+    stride that a dtype view refuses)."""
+    S, X = t_SX.shape
+    return t_SX.contiguous().reshape(-1).view(torch.uint8).reshape(S, X * t_SX.element_size())
+
+
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
@@ -59,9 +66,8 @@ class AllToAllDispatcher(Dispatcher):
 
         local_SK = ids_TK[send_token_S] - (send_rank_S * L).unsqueeze(1).to(torch.int32)
         local_SK = torch.where((ids_TK[send_token_S] >= 0) & (local_SK >= 0) & (local_SK < L), local_SK, -1)
-        packed = torch.cat([x_TD[send_token_S].view(torch.uint8).reshape(-1, x_TD.element_size() * D),
-                            local_SK.view(torch.uint8).reshape(-1, 4 * K),
-                            weights_TK[send_token_S].view(torch.uint8).reshape(-1, 4 * K)], dim=1)
+        packed = torch.cat([_as_bytes(x_TD[send_token_S]), _as_bytes(local_SK), _as_bytes(weights_TK[send_token_S])],
+                           dim=1)
         recv = _exchange(packed, send_counts, recv_counts, g)
         xb = x_TD.element_size() * D
         recv_x = recv[:, :xb].contiguous().view(x_TD.dtype)
