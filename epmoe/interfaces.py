@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import MoEConfig
+from .quant import FP8_DTYPE, num_groups
 from .symm import EmulatedGroup, group_rank_world
 
 
@@ -243,8 +244,12 @@ class Dispatcher(ABC):
         ...
 
 
-class Experts(ABC):
+class Experts(torch.nn.Module, ABC):
     """Runs the local experts, y = (silu(x W1^T) * (x W3^T)) W2^T per expert, on an ExpertBatch.
+
+    A torch module: the local weights are its buffers once loaded (`w13` [L, 2F, D], `w2` [L, D, F],
+    and for fp8_block `w13_scale` float32 [L, ceil(2F/128), ceil(D/128)], `w2_scale` float32
+    [L, ceil(D/128), ceil(F/128)]; None before `load`), so `state_dict()` holds them.
 
     Subclasses declare `name`, the `layouts` they accept, `quants` (cfg.quant values) they support and
     whether they read rows through a batch's row_index_N (`reads_row_index`); batches with a row index
@@ -257,9 +262,17 @@ class Experts(ABC):
     reads_row_index: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, num_local_experts: int, device: torch.device | str) -> None:
+        super().__init__()
         self.cfg = cfg
         self.num_local_experts = num_local_experts
-        self.device = torch.device(device)
+        self._device = torch.device(device)
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            self.register_buffer(name, None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (where they were built to be, before `load`)."""
+        return self._device if self.w13 is None else self.w13.device
 
     @classmethod
     def availability(cls, cfg: MoEConfig, device: torch.device) -> tuple[bool, str]:
@@ -268,20 +281,49 @@ class Experts(ABC):
             return False, f"quant={cfg.quant!r} not supported"
         return True, "ok"
 
-    def load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
-        """Take this rank's expert weights (N = 2F: F gate rows, then F up rows) and prepare them once."""
+    def load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+             w2_scale: torch.Tensor | None = None) -> None:
+        """Take this rank's expert weights (N = 2F: F gate rows, then F up rows) and prepare them once.
+
+        Unquantized weights (any float dtype) are cast to cfg.dtype, or quantized when cfg.quant is
+        "fp8_block". Weights already in fp8_block form (a checkpoint's float8_e4m3fn weights with
+        their block scales, `weight_scale_inv`: w ~= w_fp8 * scale per 128x128 block) are taken as they
+        are, never dequantized: w13_LND / w2_LDF float8_e4m3fn and w13_scale float32 [L, ceil(2F/128),
+        ceil(D/128)], w2_scale float32 [L, ceil(D/128), ceil(F/128)].
+        """
         L, F, D = self.num_local_experts, self.cfg.intermediate_size, self.cfg.hidden_size
         if w13_LND.shape != (L, 2 * F, D):
             raise ValueError(f"w13 must be [L={L}, 2F={2 * F}, D={D}], got {tuple(w13_LND.shape)}")
         if w2_LDF.shape != (L, D, F):
             raise ValueError(f"w2 must be [L={L}, D={D}, F={F}], got {tuple(w2_LDF.shape)}")
-        for name, w in (("w13", w13_LND), ("w2", w2_LDF)):
-            if not w.is_floating_point() or w.dtype == torch.float8_e4m3fn:
-                raise ValueError(f"{name} must be unquantized floating point weights, got {w.dtype}")
-        self._load(w13_LND.to(self.device), w2_LDF.to(self.device))
+        if (w13_scale is None) != (w2_scale is None):
+            raise ValueError("give both w13_scale and w2_scale, or neither")
+        if w13_scale is None:
+            for name, w in (("w13", w13_LND), ("w2", w2_LDF)):
+                if not w.is_floating_point() or w.dtype == FP8_DTYPE:
+                    raise ValueError(f"{name} must be unquantized floating point weights (or fp8 with its "
+                                     f"scales), got {w.dtype}")
+            self._load(w13_LND.to(self.device), w2_LDF.to(self.device))
+            return
+        if self.cfg.quant != "fp8_block":
+            raise ValueError(f"fp8 weights with scales need cfg.quant='fp8_block', cfg.quant is {self.cfg.quant!r}")
+        for name, w, scale, rows, cols in (("w13", w13_LND, w13_scale, 2 * F, D), ("w2", w2_LDF, w2_scale, D, F)):
+            if w.dtype != FP8_DTYPE:
+                raise ValueError(f"{name} with a scale must be {FP8_DTYPE}, got {w.dtype}")
+            want = (L, num_groups(rows), num_groups(cols))
+            if scale.shape != want or scale.dtype != torch.float32:
+                raise ValueError(f"{name}_scale must be float32 {list(want)}, got {scale.dtype} {tuple(scale.shape)}")
+        self._load_fp8(*(t.to(self.device).contiguous() for t in (w13_LND, w13_scale, w2_LDF, w2_scale)))
 
-    def __call__(self, batch: ExpertBatch) -> torch.Tensor:
+    def _load_fp8(self, w13_LND: torch.Tensor, w13_scale: torch.Tensor, w2_LDF: torch.Tensor,
+                  w2_scale: torch.Tensor) -> None:
+        """Keep pre-quantized fp8_block weights as they are (validated by `load`)."""
+        self.w13, self.w13_scale, self.w2, self.w2_scale = w13_LND, w13_scale, w2_LDF, w2_scale
+
+    def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """y [*batch.out_shape] in batch's layout, dtype cfg.dtype; rows past the counts are unspecified."""
+        if self.w13 is None:
+            raise ValueError(f"experts {self.name!r} hold no weights yet: call load() (FusedMoE.load_experts) first")
         if batch.layout not in self.layouts:
             raise ValueError(f"experts {self.name!r} do not accept the {batch.layout.value} layout")
         if batch.num_local_experts != self.num_local_experts:
@@ -291,7 +333,7 @@ class Experts(ABC):
 
     @abstractmethod
     def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
-        ...
+        """Store unquantized weights (on self.device) as the buffers, quantizing them when cfg.quant asks."""
 
     @abstractmethod
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:

@@ -85,20 +85,25 @@ class FusedMoE(torch.nn.Module):
         self.shared_experts = shared_experts
         self._chunks_stream: torch.cuda.Stream | None = None  # made on the first chunk count over NCCL
 
-    def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor) -> None:
-        """Load GLOBAL expert weights and keep this rank's slice.
+    def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None) -> None:
+        """Load GLOBAL expert weights and keep this rank's slice (as `self.experts`' buffers).
 
         Args:
-            w13_END: [E, 2F, D], per expert F gate rows then F up rows, in any float dtype.
-            w2_EDF: [E, D, F].
+            w13_END: [E, 2F, D], per expert F gate rows then F up rows, in any float dtype; or, with
+                cfg.quant "fp8_block", float8_e4m3fn checkpoint weights with
+            w13_scale: float32 [E, ceil(2F/128), ceil(D/128)], their 128x128 block scales
+                (`weight_scale_inv`: w ~= w_fp8 * scale), taken as they are (never dequantized).
+            w2_EDF: [E, D, F] (fp8 with w2_scale float32 [E, ceil(D/128), ceil(F/128)]).
         """
         E, F, D = self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.hidden_size
         if w13_END.shape != (E, 2 * F, D):
             raise ValueError(f"w13 must be [E={E}, 2F={2 * F}, D={D}], got {tuple(w13_END.shape)}")
         if w2_EDF.shape != (E, D, F):
             raise ValueError(f"w2 must be [E={E}, D={D}, F={F}], got {tuple(w2_EDF.shape)}")
-        lo, hi = self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts
-        self.experts.load(w13_END[lo:hi], w2_EDF[lo:hi])
+        mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
+        scales = {name: None if t is None else t[mine] for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale))}
+        self.experts.load(w13_END[mine], w2_EDF[mine], **scales)
 
     def _agrees_chunks(self) -> bool:
         """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""

@@ -1,5 +1,7 @@
 """Single rank, in-process: the `local` dispatcher through every shared case, FusedMoE against the dense
 loop, the layer's input checks, and the registry's tables."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -272,3 +274,35 @@ def _graph_layer(ctx, T: int) -> bool:
 @pytest.mark.gpu2
 def test_gpu_fused_moe_without_host_sync_in_a_cuda_graph():
     assert all(spawn(_graph_layer, gpu_test_ranks(), "cuda", (256,), timeout_s=240))
+
+
+def test_fused_moe_weights_are_module_state_and_fp8_checkpoints_load_as_they_are():
+    """The local weights are the experts' buffers (state_dict); a forward before loading is a ValueError;
+    fp8 weights with block scales load as they are and give what quantizing the same weights gives."""
+    from epmoe.quant import quantize_weight_ref
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, quant="fp8_block")
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    w, ids = torch.rand(5, 2), torch.randint(0, 4, (5, 2))
+    fresh = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cpu")
+    with pytest.raises(ValueError, match="load"):
+        fresh(x, weights_TK=w, ids_TK=ids)
+    assert "experts.w13" not in fresh.state_dict()
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(4, 256, 256, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(4, 256, 128, generator=g) * 0.05).to(torch.bfloat16)
+    fresh.load_experts(w13, w2)
+    state = fresh.state_dict()
+    assert state["experts.w13"].dtype == torch.float8_e4m3fn and state["experts.w2_scale"].shape == (4, 2, 1)
+    q13, s13 = quantize_weight_ref(w13)
+    q2, s2 = quantize_weight_ref(w2)
+    ckpt = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cpu")
+    ckpt.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+    assert torch.equal(ckpt(x, weights_TK=w, ids_TK=ids), fresh(x, weights_TK=w, ids_TK=ids))
+    with pytest.raises(ValueError, match="w13_scale must be float32"):
+        ckpt.load_experts(q13, q2, w13_scale=s13[:, :1], w2_scale=s2)
+    with pytest.raises(ValueError, match="both"):
+        ckpt.load_experts(q13, q2, w13_scale=s13)
+    bf16 = epmoe.FusedMoE(dataclasses.replace(cfg, quant=None), None, dispatcher="local", experts="reference",
+                          device="cpu")
+    with pytest.raises(ValueError, match="fp8_block"):
+        bf16.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)

@@ -56,8 +56,6 @@ class GroupedMMExperts(Experts):
         self.w2 = w2_LDF.to(self.cfg.dtype).contiguous()
 
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:
-        if not hasattr(self, "w13"):
-            raise ValueError(f"experts {self.name!r}: call load() before running a batch")
         x = batch.x
         if x.dtype != self.cfg.dtype:
             raise ValueError(f"batch.x dtype {x.dtype} does not match cfg.dtype {self.cfg.dtype}")

@@ -59,7 +59,6 @@ class TritonExperts(Experts):
         else:
             self.w13 = w13_LND.to(self.cfg.dtype).contiguous()
             self.w2 = w2_LDF.to(self.cfg.dtype).contiguous()
-            self.w13_scale = self.w2_scale = None
 
     def _batched_rows_hint(self, slot_rows: int) -> int:
         """Expected rows per expert of a batched batch, for the launch config: the M slots are sized for
@@ -69,8 +68,6 @@ class TritonExperts(Experts):
         return max(1, min(slot_rows, full))
 
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:
-        if not hasattr(self, "w13"):
-            raise ValueError(f"experts {self.name!r}: call load() before running a batch")
         x, D = batch.x, self.cfg.hidden_size
         if x.shape[-1] != D:
             raise ValueError(f"batch rows have {x.shape[-1]} columns, expected D={D}")
