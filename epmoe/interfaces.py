@@ -55,6 +55,11 @@ class ExpertBatch:
             source rows, may then view the dispatcher's buffers) instead of one copy per local expert.
             Entries at or past offsets_L1[L] are in [0, S) too. Experts read rows through it (or call
             `materialize()`); their outputs have `out_shape`, one row per batch row.
+        weights_N: CONTIGUOUS only, optional float32 [N] on x's device: each valid batch row's top-k weight
+            (rows at or past offsets_L1[L] unspecified). A dispatcher that sets it also combines expert
+            outputs already multiplied by it (`combine(y, batch, weighted=True)`), which experts with
+            `applies_weights` produce in their down projection's epilogue (`experts(batch,
+            weighted=True)`).
     """
 
     layout: Layout
@@ -64,16 +69,20 @@ class ExpertBatch:
     offsets_L1: torch.Tensor | None
     handle: Any
     row_index_N: torch.Tensor | None = None
+    weights_N: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        rows = self.row_index_N
-        if rows is None:
-            return
-        if self.layout is not Layout.CONTIGUOUS:
-            raise ValueError("row_index_N is only defined for the contiguous layout")
-        if rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != self.x.device:
-            raise ValueError(f"row_index_N must be int32 [N] on {self.x.device}, got {rows.dtype} "
-                             f"{tuple(rows.shape)} on {rows.device}")
+        for name, dtype in (("row_index_N", "int32"), ("weights_N", "float32")):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if self.layout is not Layout.CONTIGUOUS:
+                raise ValueError(f"{name} is only defined for the contiguous layout")
+            if t.dim() != 1 or t.dtype != getattr(torch, dtype) or t.device != self.x.device:
+                raise ValueError(f"{name} must be {dtype} [N] on {self.x.device}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        if self.weights_N is not None and self.weights_N.shape[0] != self.out_shape[0]:
+            raise ValueError(f"weights_N has {self.weights_N.shape[0]} rows, the batch {self.out_shape[0]}")
 
     @property
     def num_local_experts(self) -> int:
@@ -105,12 +114,15 @@ def check_x(cfg: MoEConfig, x_TD: torch.Tensor) -> None:
         raise ValueError(f"x_TD dtype {x_TD.dtype} does not match cfg.dtype {cfg.dtype}")
 
 
-def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 read_ids: bool = True) -> None:
     """Refuse malformed dispatch input with ValueError before any communication starts.
 
-    Reads ids_TK's min and max on the host (one sync) to check the range, unless a CUDA graph is being
-    captured (no sync is allowed then; graph-safe dispatchers treat out-of-range ids as -1). Ids that
-    are in range by construction (epmoe.routing.route's) need only `check_x` (FusedMoE).
+    With read_ids, reads ids_TK's min and max on the host (one sync on a GPU) to check the range, unless
+    a CUDA graph is being captured (no sync is allowed then; graph-safe dispatchers treat out-of-range
+    ids as -1). Without it (dispatchers that catch bad ids on the device, `checks_ids_on_device`), only
+    shapes, dtypes and devices are checked. Ids that are in range by construction (epmoe.routing.route's)
+    need only `check_x` (FusedMoE).
     """
     K, E = cfg.top_k, cfg.num_experts
     check_x(cfg, x_TD)
@@ -127,7 +139,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
     capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
-    if T and ids_TK.numel() and not capturing:
+    if read_ids and T and ids_TK.numel() and not capturing:
         lo, hi = torch.stack(torch.aminmax(ids_TK)).tolist()  # one host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi
@@ -141,8 +153,10 @@ class Dispatcher(ABC):
     the public methods validate first. `needs_host_sync`: whether a dispatch syncs the host (sizing
     its batch); `agrees_chunks`: whether it can also carry its caller's chunk count to every rank
     (`dispatch_checked(..., chunks=n)`, `agreed_chunks`), which FusedMoE then needs no collective for.
-    No per-call state is kept on `self`: everything combine needs travels in the returned
-    ExpertBatch's handle. All ranks of the group must call dispatch and combine the same number of
+    `checks_ids_on_device`: whether ids on a GPU are range-checked on the device rather than read on the
+    host (see `check_device_errors`); `reads_any_weight_dtype`: whether weights_TK reach `_dispatch` in
+    the caller's float dtype (else as float32). No per-call state is kept on `self`: everything combine
+    needs travels in the returned ExpertBatch's handle. All ranks of the group must call dispatch and combine the same number of
     times, in the same order (T may differ, and may be 0).
     """
 
@@ -151,6 +165,8 @@ class Dispatcher(ABC):
     supports_fp8_dispatch: ClassVar[bool] = False
     needs_host_sync: ClassVar[bool] = True
     agrees_chunks: ClassVar[bool] = False
+    checks_ids_on_device: ClassVar[bool] = False
+    reads_any_weight_dtype: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None = None,
                  **options: Any) -> None:
@@ -183,8 +199,17 @@ class Dispatcher(ABC):
         Returns:
             ExpertBatch in this dispatcher's layout, holding this rank's local experts' rows.
         """
-        check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+        check_tokens(self.cfg, x_TD, ids_TK, weights_TK, read_ids=self.reads_ids_on_host(x_TD))
         return self.dispatch_checked(x_TD, ids_TK, weights_TK)
+
+    def reads_ids_on_host(self, x_TD: torch.Tensor) -> bool:
+        """Whether validating a dispatch of x_TD reads the ids' range on the host: always, except for
+        dispatchers that catch bad ids on the device (`checks_ids_on_device`) with inputs on a GPU."""
+        return not (self.checks_ids_on_device and x_TD.is_cuda)
+
+    def check_device_errors(self) -> None:
+        """Raise ValueError if the device caught bad input in an earlier call (`checks_ids_on_device`:
+        an id outside [-1, E)); waits for the queued work first (a host sync). Others: nothing to do."""
 
     def dispatch_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                          chunks: int | None = None) -> ExpertBatch:
@@ -195,7 +220,8 @@ class Dispatcher(ABC):
         chunks: with `agrees_chunks` only (ValueError otherwise): how many chunks the caller splits its
         call into on this rank (>= 1), sent along with the dispatch; `agreed_chunks(batch)` is then the
         largest count of any rank, so that every rank runs as many chunks."""
-        args = (x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous())
+        weights_TK = weights_TK if self.reads_any_weight_dtype else weights_TK.float()
+        args = (x_TD.contiguous(), ids_TK.contiguous(), weights_TK.contiguous())
         if chunks is None:
             return self._dispatch(*args)
         if not self.agrees_chunks:
@@ -214,18 +240,28 @@ class Dispatcher(ABC):
     def _agreed_chunks(self, batch: ExpertBatch) -> int:
         raise NotImplementedError(f"dispatcher {self.name!r} sets agrees_chunks but has no _agreed_chunks")
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, batch: ExpertBatch, *, weighted: bool = False) -> torch.Tensor:
         """Return expert outputs to their source ranks and sum them per token with the top-k weights.
 
         Args:
             y: expert outputs in `batch`'s layout ([N, D] or [L, M, D]) and cfg.dtype.
             batch: the ExpertBatch this dispatcher returned for the same call.
+            weighted: y's rows are already multiplied by their top-k weights (batch.weights_N, which
+                must be set: `experts(batch, weighted=True)`), so they are only summed.
 
         Returns:
             out_TD: [T, D] in cfg.dtype, in the order x_TD had; a token with no expert gets zeros.
         """
         self.check_output(y, batch)
-        return self._combine(y, batch)
+        if not weighted:
+            return self._combine(y, batch)
+        if batch.weights_N is None:
+            raise ValueError(f"combine(weighted=True) needs a batch with weights_N, which {self.name!r} does not set")
+        return self._combine_weighted(y, batch)
+
+    def _combine_weighted(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        """The combine of rows already weighted by batch.weights_N (dispatchers that set it)."""
+        raise NotImplementedError(f"dispatcher {self.name!r} sets weights_N but has no _combine_weighted")
 
     def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""
@@ -253,13 +289,15 @@ class Experts(torch.nn.Module, ABC):
 
     Subclasses declare `name`, the `layouts` they accept, `quants` (cfg.quant values) they support and
     whether they read rows through a batch's row_index_N (`reads_row_index`); batches with a row index
-    are materialized (one copy) for those that do not.
+    are materialized (one copy) for those that do not. `applies_weights`: they can multiply each output
+    row by its top-k weight (batch.weights_N) in the down projection (`forward(batch, weighted=True)`).
     """
 
     name: ClassVar[str]
     layouts: ClassVar[frozenset[Layout]]
     quants: ClassVar[frozenset[str | None]]
     reads_row_index: ClassVar[bool] = False
+    applies_weights: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, num_local_experts: int, device: torch.device | str) -> None:
         super().__init__()
@@ -320,8 +358,13 @@ class Experts(torch.nn.Module, ABC):
         """Keep pre-quantized fp8_block weights as they are (validated by `load`)."""
         self.w13, self.w13_scale, self.w2, self.w2_scale = w13_LND, w13_scale, w2_LDF, w2_scale
 
-    def forward(self, batch: ExpertBatch) -> torch.Tensor:
-        """y [*batch.out_shape] in batch's layout, dtype cfg.dtype; rows past the counts are unspecified."""
+    def forward(self, batch: ExpertBatch, weighted: bool = False) -> torch.Tensor:
+        """y [*batch.out_shape] in batch's layout, dtype cfg.dtype; rows past the counts are unspecified.
+        weighted: each row multiplied by batch.weights_N (needs `applies_weights` and weights_N), for
+        `Dispatcher.combine(y, batch, weighted=True)`."""
+        if weighted and not (self.applies_weights and batch.weights_N is not None):
+            raise ValueError(f"experts {self.name!r} weight no rows (applies_weights {self.applies_weights}, "
+                             f"batch.weights_N {'set' if batch.weights_N is not None else 'None'})")
         if self.w13 is None:
             raise ValueError(f"experts {self.name!r} hold no weights yet: call load() (FusedMoE.load_experts) first")
         if batch.layout not in self.layouts:
@@ -329,7 +372,8 @@ class Experts(torch.nn.Module, ABC):
         if batch.num_local_experts != self.num_local_experts:
             raise ValueError(
                 f"batch has {batch.num_local_experts} local experts, experts hold {self.num_local_experts}")
-        return self._forward(batch if self.reads_row_index else batch.materialize())
+        batch = batch if self.reads_row_index else batch.materialize()
+        return self._forward(batch, weighted) if weighted else self._forward(batch)
 
     @abstractmethod
     def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
@@ -337,7 +381,7 @@ class Experts(torch.nn.Module, ABC):
 
     @abstractmethod
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:
-        ...
+        """y of the batch; experts with `applies_weights` also take `weighted` (rows times weights_N)."""
 
 
 def check_pairing(dispatcher: Dispatcher | type[Dispatcher], experts: Experts | type[Experts]) -> None:

@@ -53,15 +53,21 @@ class FusedMoE(torch.nn.Module):
         shared_experts: optional module mapping x_TD -> [T, D], added to the routed output (which is
             scaled by cfg.routed_scaling_factor first); it sees the whole local batch.
         device: where activations and local weights live (default: current CUDA device, else CPU).
+        strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
+            refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher
+            that checks ids on the device (`local` on a GPU) syncs nothing: a bad id's token gets a NaN
+            row and the next call (or `check_errors()`) raises ValueError naming the id; other
+            dispatchers read the ids on the host anyway.
 
     Construction is collective for dispatchers that set up shared buffers: call it on every rank.
     """
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
                  experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, strict_ids: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.strict_ids = strict_ids
         self.group = group
         self.device = default_device() if device is None else torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -104,6 +110,11 @@ class FusedMoE(torch.nn.Module):
         mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         scales = {name: None if t is None else t[mine] for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale))}
         self.experts.load(w13_END[mine], w2_EDF[mine], **scales)
+
+    def check_errors(self) -> None:
+        """Raise ValueError if the device caught bad input in an earlier call (an id outside [-1, E) with
+        a dispatcher that checks ids on the device; see `strict_ids`). A host sync."""
+        self.dispatcher.check_device_errors()
 
     def _agrees_chunks(self) -> bool:
         """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""
@@ -150,7 +161,8 @@ class FusedMoE(torch.nn.Module):
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
         if logits_TE is None:
-            check_tokens(self.cfg, x_TD, ids_TK, weights_TK)
+            read_ids = self.strict_ids or self.dispatcher.reads_ids_on_host(x_TD)
+            check_tokens(self.cfg, x_TD, ids_TK, weights_TK, read_ids=read_ids)
         else:
             check_x(self.cfg, x_TD)
             check_logits(logits_TE, self.cfg.num_experts, correction_bias_E, self.cfg.scoring)
@@ -187,16 +199,19 @@ class FusedMoE(torch.nn.Module):
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         sent = mine if self._agrees_chunks() else None  # the count that goes with each dispatch
-        out_TD = torch.empty_like(x_TD)
+        outs = []
         chunk, num_chunks = 0, None
         while chunk != num_chunks:
             lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
             batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=sent)
-            out_TD[lo:hi] = self.dispatcher.combine(self.experts(batch), batch)
+            # the top-k weights in the experts' down projection where both sides can (no pass of their own)
+            weighted = self.experts.applies_weights and batch.weights_N is not None
+            outs.append(self.dispatcher.combine(self.experts(batch, weighted=weighted), batch, weighted=weighted))
             # the agreed count is read once the first chunk is queued: with the batch's size (agreeing
             # dispatchers), or a host sync on the all-reduce, over by then
             num_chunks = num_chunks or chunks(batch)
             chunk += 1
+        out_TD = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.cfg.routed_scaling_factor != 1.0:
             out_TD.mul_(self.cfg.routed_scaling_factor)
         if shared_TD is not None:

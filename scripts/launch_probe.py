@@ -47,13 +47,13 @@ def main() -> None:
     w = torch.zeros(2, R, C, K, device=dev)
     count = torch.zeros(2, R, dtype=torch.int32, device=dev)  # nothing received: the kernel returns at once
     seq = torch.zeros(1, dtype=torch.int32, device=dev)
-    start = torch.zeros(R * blocks.blocks_per_rank, L, dtype=torch.int32, device=dev)
+    start = torch.zeros(R * blocks.blocks, L, dtype=torch.int32, device=dev)
     pos = torch.empty(R * C, K, dtype=torch.int32, device=dev)
     w_out = torch.empty(R * C, K, device=dev)
     rows = torch.zeros(R * C * K, dtype=torch.int32, device=dev)
-    grid = (R, blocks.blocks_per_rank)
+    grid = (R, blocks.blocks)
     runtime = (ids, w, count, seq, start, pos, w_out, rows, R * C * K)
-    consts = dict(R=R, C=C, K=K, L=L, NB=blocks.blocks_per_rank, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
+    consts = dict(R=R, C=C, K=K, L=L, NB=blocks.blocks, BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k)
 
     def jit():
         return k._layout_place_kernel[grid](*runtime, **consts, num_warps=4)

@@ -204,8 +204,10 @@ def case_bad_input(name, group, device) -> None:
             expect(False, f"{name}: E not divisible by the world size was accepted")
 
 
-def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared: bool) -> torch.Tensor:
-    """The plain MoE, token by token and expert by expert, in float64."""
+def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared: bool,
+              h_round=lambda h: h) -> torch.Tensor:
+    """The plain MoE, token by token and expert by expert, in float64 (h_round: how the path under test
+    rounds the intermediate h [1, F] before the down projection, e.g. fp8 re-quantization)."""
     out = torch.zeros(x_TD.shape, dtype=torch.float64)
     x, w13, w2 = x_TD.double().cpu(), weights.w13_END.double().cpu(), weights.w2_EDF.double().cpu()
     F = w2.shape[2]
@@ -215,7 +217,7 @@ def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared:
             if e < 0:
                 continue
             h = w13[e] @ x[t]
-            out[t] += float(w_TK[t, k]) * (w2[e] @ (F_.silu(h[:F]) * h[F:]))
+            out[t] += float(w_TK[t, k]) * (w2[e] @ h_round((F_.silu(h[:F]) * h[F:])[None])[0])
     out *= scaling
     if shared:
         s13, s2 = weights.shared_w13_ND.double().cpu(), weights.shared_w2_DF.double().cpu()

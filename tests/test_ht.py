@@ -719,7 +719,7 @@ def test_number_pairs_matches_torch(monkeypatch, T, R, ids_dtype):
     assert ht.batch_size(int(size_1), 6) == (10 * R * (R - 1) // 2, R + 10) and wait.err_1.item() == 0
     assert ht.batch_size(int(size_1), 5) is None
     lid0 = torch.where((ids >= 0) & (ids < L), ids, -1)[want[:, 0] >= 0]  # rank 0's ids of the tokens sent there
-    per_source = table.cpu().view(R, blocks.blocks_per_rank, L).sum(1)
+    per_source = table.cpu().view(R, blocks.blocks, L).sum(1)
     assert torch.equal(per_source[rank], torch.bincount(lid0[lid0 >= 0].long(), minlength=L).int())
     assert per_source[:rank].eq(0).all()  # recv_count of the other sources: -7, no rows
     flags[0][R - 1] = 5  # rank R - 1 has not signalled epoch 6: the wait gives up and says so

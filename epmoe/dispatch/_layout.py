@@ -1,59 +1,33 @@
-"""Shared layout helpers: sort (row, slot) pairs by local expert, and the weighted sum back to rows.
+"""The layout engine as the portable dispatchers use it: the kernels of epmoe/kernels/layout.py on a GPU,
+their torch references on the CPU (where gloo runs; the kernels themselves are tested on CPU tensors
+under the Triton interpreter).
 
-Shape letters: P source rows, K slots per row, L local experts, N = P*K pairs, D hidden size.
+Shape letters: P rows of the id table, K slots per row, L local experts, N = P*K batch rows, D hidden size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..kernels import layout
+from ..kernels.layout import BAD_POS, PairLayout
 
-@dataclass(frozen=True)
-class PairOrder:
-    """Pairs (p, k) of a [P, K] table of local expert ids, sorted by expert (stable); -1 pairs last.
-
-    pair_N: int64 [P*K], flat pair index p*K + k of each sorted position.
-    counts_L: int32 [L] valid pairs per local expert; offsets_L1: int32 [L+1] their prefix sum.
-    No host sync.
-    """
-
-    pair_N: torch.Tensor
-    counts_L: torch.Tensor
-    offsets_L1: torch.Tensor
-    slots: int
-
-    @property
-    def row_N(self) -> torch.Tensor:
-        return self.pair_N // self.slots
+__all__ = ["BAD_POS", "PairLayout", "gather_sum", "runs_kernels", "sort_pairs"]
 
 
-def sort_pairs(local_ids_PK: torch.Tensor, num_local_experts: int) -> PairOrder:
-    """Order the pairs of `local_ids_PK` (ids in [0, L) or -1) by expert. No host sync."""
-    L = num_local_experts
-    flat = local_ids_PK.reshape(-1).long()
-    key = torch.where(flat < 0, torch.full_like(flat, L), flat)
-    pair_N = torch.argsort(key, stable=True)
-    # not torch.bincount, which reads the largest key on the host on a GPU
-    counts_L = torch.zeros(L + 1, dtype=torch.int32, device=flat.device).scatter_add_(
-        0, key, torch.ones_like(key, dtype=torch.int32))[:L]
-    offsets_L1 = torch.zeros(L + 1, dtype=torch.int32, device=flat.device)
-    torch.cumsum(counts_L, 0, out=offsets_L1[1:])
-    return PairOrder(pair_N=pair_N, counts_L=counts_L, offsets_L1=offsets_L1, slots=local_ids_PK.shape[1])
+def runs_kernels(t: torch.Tensor) -> bool:
+    """Whether the layout of tensors like t runs on the kernels (on a GPU) or on the torch references."""
+    return t.is_cuda
 
 
-def weighted_sum_to_rows(y_ND: torch.Tensor, order: PairOrder, weights_PK: torch.Tensor,
-                         local_ids_PK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """sum over k of weights_PK[p, k] * y[pair (p, k)] for each row p, float32 [P, D].
+def sort_pairs(ids_PK: torch.Tensor, num_local_experts: int, **kwargs) -> PairLayout:
+    """`epmoe.kernels.layout.sort_pairs` (its arguments) on a GPU, `sort_pairs_ref` elsewhere. No host sync."""
+    fn = layout.sort_pairs if runs_kernels(ids_PK) else layout.sort_pairs_ref
+    return fn(ids_PK, num_local_experts, **kwargs)
 
-    Pairs whose id is -1 (padding rows of y, which may hold anything) contribute nothing.
-    """
-    D = y_ND.shape[-1]
-    out = torch.zeros(num_rows, D, dtype=torch.float32, device=y_ND.device)
-    n = y_ND.shape[0]
-    pair = order.pair_N[:n]
-    valid = local_ids_PK.reshape(-1)[pair] >= 0
-    w = torch.where(valid, weights_PK.reshape(-1)[pair].float(), 0.0)
-    contrib = torch.where(valid.unsqueeze(1), y_ND.float() * w.unsqueeze(1), 0.0)
-    out.index_add_(0, pair // order.slots, contrib)
-    return out
+
+def gather_sum(y_ND: torch.Tensor, pos_PK: torch.Tensor, out_dtype: torch.dtype,
+               weights_PK: torch.Tensor | None = None) -> torch.Tensor:
+    """`epmoe.kernels.layout.gather_sum` on a GPU, `gather_sum_ref` elsewhere: out [P, D] in out_dtype,
+    the float32 sum of each row's (weighted) y rows. No host sync."""
+    fn = layout.gather_sum if runs_kernels(y_ND) else layout.gather_sum_ref
+    return fn(y_ND, pos_PK, out_dtype, weights_PK)

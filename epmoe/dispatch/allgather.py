@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from ..interfaces import Dispatcher, ExpertBatch, Layout
-from ._layout import PairOrder, sort_pairs, weighted_sum_to_rows
+from ._layout import gather_sum, sort_pairs
 
 # torch 2.13 renamed these (same signatures) and warns on the old names; torch 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -22,8 +22,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 @dataclass(frozen=True)
 class AllGatherHandle:
-    order: PairOrder
-    local_ids_PK: torch.Tensor  # [R*Tm, K] ids local to this rank, -1 elsewhere
+    pos_PK: torch.Tensor  # int32 [R*Tm, K] batch row of each gathered (token, slot), -1 for other ranks' experts
     weights_PK: torch.Tensor  # [R*Tm, K] float32
     num_tokens: int  # T of this rank
     max_tokens: int  # Tm
@@ -37,7 +36,8 @@ def _all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
 
 class AllGatherDispatcher(Dispatcher):
     """All-gather of x/ids/weights padded to the largest T (one host sync for the T exchange and
-    one for the row count), then a float32 reduce-scatter of the partial sums in combine."""
+    one for the row count), laid out as a row index into the gathered rows; then a float32
+    reduce-scatter of the partial sums (one kernel) in combine."""
 
     name = "allgather"
     layout = Layout.CONTIGUOUS
@@ -51,17 +51,21 @@ class AllGatherDispatcher(Dispatcher):
         x_all = _all_gather(F_.pad(x_TD, (0, 0, 0, pad)), g, R)
         ids_all = _all_gather(F_.pad(ids_TK.to(torch.int32), (0, 0, 0, pad), value=-1), g, R)
         w_all = _all_gather(F_.pad(weights_TK, (0, 0, 0, pad)), g, R)
-        local = ids_all - self.first_expert
-        local_ids = torch.where((ids_all >= 0) & (local >= 0) & (local < L), local, -1)
-        order = sort_pairs(local_ids, L)
-        n = int(order.offsets_L1[-1])  # host sync: size the batch to the valid rows
-        return ExpertBatch(layout=Layout.CONTIGUOUS, x=x_all[order.row_N[:n]], x_scale=None,
-                           counts_L=order.counts_L, offsets_L1=order.offsets_L1,
-                           handle=AllGatherHandle(order, local_ids, w_all, T, Tm))
+        lay = sort_pairs(ids_all, L, first_expert=self.first_expert, weights_PK=w_all)
+        n = int(lay.offsets_L1[-1])  # host sync: size the batch to the valid rows
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=x_all, x_scale=None, counts_L=lay.counts_L,
+                           offsets_L1=lay.offsets_L1, row_index_N=lay.rows_N[:n], weights_N=lay.weights_N[:n],
+                           handle=AllGatherHandle(lay.pos_PK, w_all, T, Tm))
 
     def _combine(self, y, batch) -> torch.Tensor:
+        return self._reduce(y, batch, batch.handle.weights_PK)
+
+    def _combine_weighted(self, y, batch) -> torch.Tensor:
+        return self._reduce(y, batch, None)
+
+    def _reduce(self, y, batch, weights_PK: torch.Tensor | None) -> torch.Tensor:
         h: AllGatherHandle = batch.handle
-        partial = weighted_sum_to_rows(y, h.order, h.weights_PK, h.local_ids_PK, h.local_ids_PK.shape[0])
+        partial = gather_sum(y, h.pos_PK, torch.float32, weights_PK)
         mine = partial.new_empty(h.max_tokens, partial.shape[1])
         _reduce_scatter_single(mine, partial, group=self.group)
         return mine[: h.num_tokens].to(self.cfg.dtype)

@@ -1,6 +1,8 @@
 """`alltoall` dispatcher: a count exchange, then `all_to_all_single` moving one copy per
-(token, destination rank); combine reduces per (token, rank) at the destination and sends one row
-back per pair, summed at the source. Portable: gloo, NCCL, one host or many.
+(token, destination rank); the received rows are laid out by the layout engine (a row index into them,
+epmoe/kernels/layout.py on a GPU); combine reduces per (token, rank) at the destination (one kernel,
+float32 sums) and sends one row back per pair, summed at the source (the same kernel). Portable: gloo,
+NCCL, one host or many.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, R ranks, L local experts,
 S (token, rank) pairs sent, P rows received, N (row, slot) pairs for this rank's experts.
@@ -13,18 +15,16 @@ import torch
 import torch.distributed as dist
 
 from ..interfaces import Dispatcher, ExpertBatch, Layout
-from ._layout import PairOrder, sort_pairs, weighted_sum_to_rows
+from ._layout import gather_sum, sort_pairs
 
 
 @dataclass(frozen=True)
 class AllToAllHandle:
-    send_token_S: torch.Tensor  # int64 [S], source token of each sent row, grouped by destination
+    slot_TR: torch.Tensor  # int32 [T, R], row of token t among the rows sent to (and back from) all ranks, -1 none
     send_counts: list[int]  # [R] rows sent to each rank
     recv_counts: list[int]  # [R] rows received from each rank
-    order: PairOrder
-    recv_ids_PK: torch.Tensor  # int32 [P, K], ids local to this rank, -1 for other ranks' experts
+    pos_PK: torch.Tensor  # int32 [P, K], batch row of each received (row, slot), -1 for other ranks' experts
     recv_weights_PK: torch.Tensor  # float32 [P, K]
-    num_tokens: int
 
 
 def _as_bytes(t_SX: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,8 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 
 
 class AllToAllDispatcher(Dispatcher):
-    """Two host syncs per dispatch (the pair list and the count exchange) and one for the row count.
+    """Two host syncs per dispatch (the pair list and the count exchange) and one for the row count; the
+    batch is a row index into the received rows, with their top-k weights (weights_N).
 
     Rows travel packed as bytes: [x row | K local ids (int32) | K weights (float32)], one collective.
     """
@@ -74,17 +75,24 @@ class AllToAllDispatcher(Dispatcher):
         recv_ids = recv[:, xb:xb + 4 * K].contiguous().view(torch.int32)
         recv_w = recv[:, xb + 4 * K:].contiguous().view(torch.float32)
 
-        order = sort_pairs(recv_ids, L)
-        n = int(order.offsets_L1[-1])  # host sync: size the batch to the valid rows
-        return ExpertBatch(layout=Layout.CONTIGUOUS, x=recv_x[order.row_N[:n]], x_scale=None,
-                           counts_L=order.counts_L, offsets_L1=order.offsets_L1,
-                           handle=AllToAllHandle(send_token_S, send_counts, recv_counts, order,
-                                                 recv_ids, recv_w, T))
+        lay = sort_pairs(recv_ids, L, weights_PK=recv_w)
+        n = int(lay.offsets_L1[-1])  # host sync: size the batch to the valid rows
+        slot_TR = torch.full((T, R), -1, dtype=torch.int32, device=dev)
+        slot_TR[send_token_S, send_rank_S] = torch.arange(send_token_S.shape[0], dtype=torch.int32, device=dev)
+        return ExpertBatch(layout=Layout.CONTIGUOUS, x=recv_x, x_scale=None, counts_L=lay.counts_L,
+                           offsets_L1=lay.offsets_L1, row_index_N=lay.rows_N[:n], weights_N=lay.weights_N[:n],
+                           handle=AllToAllHandle(slot_TR, send_counts, recv_counts, lay.pos_PK, recv_w))
 
     def _combine(self, y, batch) -> torch.Tensor:
+        return self._send_back(y, batch, batch.handle.recv_weights_PK)
+
+    def _combine_weighted(self, y, batch) -> torch.Tensor:
+        return self._send_back(y, batch, None)
+
+    def _send_back(self, y, batch, weights_PK: torch.Tensor | None) -> torch.Tensor:
+        """One row per received (token, rank): the sum of its (weighted) expert rows, back to its source,
+        where each token sums its rows from every rank (float32, then cfg.dtype)."""
         h: AllToAllHandle = batch.handle
-        rows = weighted_sum_to_rows(y, h.order, h.recv_weights_PK, h.recv_ids_PK, h.recv_ids_PK.shape[0])
-        back = _exchange(rows.to(self.cfg.dtype), h.recv_counts, h.send_counts, self.group)
-        out = torch.zeros(h.num_tokens, self.cfg.hidden_size, dtype=torch.float32, device=y.device)
-        out.index_add_(0, h.send_token_S, back.float())
-        return out.to(self.cfg.dtype)
+        rows = gather_sum(y, h.pos_PK, self.cfg.dtype, weights_PK)
+        back = _exchange(rows, h.recv_counts, h.send_counts, self.group)
+        return gather_sum(back, h.slot_TR, self.cfg.dtype)

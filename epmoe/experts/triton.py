@@ -8,7 +8,8 @@ Pipeline per call, with no host sync: [quantize x per token per 128 columns, whe
 for the contiguous one] -> gate-up GEMM with SiLU-and-mul in its epilogue (fp8: h
 re-quantized there, or by `quantize_act` when the tile does not cover a whole scale group) -> down GEMM.
 Rows past the counts (and past offsets_L1[L]) are never computed; their outputs are unspecified. A
-contiguous batch's row index is applied inside the gate-up kernel (rows are read through it).
+contiguous batch's row index is applied inside the gate-up kernel (rows are read through it), and its
+top-k weights (weights_N, `weighted=True`) in the down kernel's epilogue.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class TritonExperts(Experts):
     layouts = frozenset({Layout.CONTIGUOUS, Layout.BATCHED})
     quants = frozenset({None, "fp8_block"})
     reads_row_index = True
+    applies_weights = True
 
     @classmethod
     def availability(cls, cfg, device) -> tuple[bool, str]:
@@ -67,7 +69,7 @@ class TritonExperts(Experts):
         full = -(-self.cfg.max_tokens_per_rank * self.cfg.top_k // self.num_local_experts)
         return max(1, min(slot_rows, full))
 
-    def _forward(self, batch: ExpertBatch) -> torch.Tensor:
+    def _forward(self, batch: ExpertBatch, weighted: bool = False) -> torch.Tensor:
         x, D = batch.x, self.cfg.hidden_size
         if x.shape[-1] != D:
             raise ValueError(f"batch rows have {x.shape[-1]} columns, expected D={D}")
@@ -89,5 +91,5 @@ class TritonExperts(Experts):
         h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale,
                              x_rows_R=batch.row_index_N, rows_hint=hint)
         y = down(h, self.w2, rows, h_scale_RG=h_scale, w2_scale=self.w2_scale, out_dtype=self.cfg.dtype,
-                 rows_hint=hint)
+                 rows_hint=hint, row_scale_R=batch.weights_N if weighted else None)
         return y.view(batch.out_shape)

@@ -1,0 +1,155 @@
+"""The fused one-rank path: `local` dispatch through the layout kernels, the experts reading x through the row
+index and weighting rows in the down projection, the combine kernel; against the plain float64 loop of
+moe_cases.dense_moe. On CPU the layout kernels run under the Triton interpreter (forced here: the
+dispatchers use the torch references on CPU tensors); on a GPU, also with no host sync at all."""
+import dataclasses
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.dispatch import _layout
+from epmoe.testing import make_weights, rel_error, tolerance
+
+import moe_cases
+
+PRECISIONS = [dict(dtype=torch.float32), dict(dtype=torch.bfloat16), dict(dtype=torch.bfloat16, quant="fp8_block")]
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    monkeypatch.setattr(_layout, "runs_kernels", lambda t: True)
+
+
+def _layer(cfg, experts: str, device, seed: int = 3):
+    weights = make_weights(cfg, seed, device)
+    moe = epmoe.FusedMoE(cfg, None, dispatcher="local", experts=experts, device=device)
+    moe.load_experts(weights.w13_END, weights.w2_EDF)
+    return moe, weights
+
+
+def _inputs(cfg, T: int, seed: int, device, weights_dtype=torch.float32, ids_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(cfg.dtype)
+    ids = moe_cases.random_ids(T, cfg.num_experts, cfg.top_k, g, drop=0.2).to(ids_dtype)
+    w = torch.rand(T, cfg.top_k, generator=g).to(weights_dtype)
+    return x.to(device), ids.to(device), w.to(device)
+
+
+def _reference(x, ids, w, weights, cfg) -> torch.Tensor:
+    """The float64 loop; for fp8_block on the weights and activations as the fp8 path quantizes them
+    (block-128 weights, 1x128 groups of x and of h), so that only rounding differs."""
+    x, ids, w = x.cpu(), ids.cpu(), w.cpu().float()
+    if cfg.quant is None:
+        return moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)
+    from epmoe.quant import dequantize_act_ref, dequantize_weight_ref, quantize_act_ref, quantize_weight_ref
+    deq = dataclasses.replace(weights, **{n: dequantize_weight_ref(*quantize_weight_ref(getattr(weights, n).cpu()))
+                                          for n in ("w13_END", "w2_EDF")})
+    x = dequantize_act_ref(*quantize_act_ref(x))
+    return moe_cases.dense_moe(x, ids, w, deq, 1.0, shared=False,
+                               h_round=lambda h: dequantize_act_ref(*quantize_act_ref(h.float())).double())
+
+
+def _expect_close(moe, weights, x, ids, w, cfg) -> None:
+    out = moe(x, weights_TK=w, ids_TK=ids)
+    ref = _reference(x, ids, w, weights, cfg)
+    assert out.shape == x.shape and out.dtype == cfg.dtype
+    err = rel_error(out.cpu(), ref)
+    assert err <= tolerance(cfg), f"rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("experts", ["reference", "triton"])
+@pytest.mark.parametrize("E,K,T", [(8, 2, 0), (8, 2, 1), (8, 2, 33), (5, 1, 9), (4, 4, 6), (1, 1, 5)])
+def test_local_layer_through_the_layout_kernels(kernels_on_cpu, precision, experts, E, K, T):
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=72, intermediate_size=40, **precision)
+    moe, weights = _layer(cfg, experts, "cpu")
+    _expect_close(moe, weights, *_inputs(cfg, T, E * 10 + T, "cpu"), cfg)
+
+
+def test_local_layer_takes_caller_dtypes_and_all_tokens_on_one_expert(kernels_on_cpu):
+    cfg = epmoe.MoEConfig(num_experts=6, top_k=3, hidden_size=40, intermediate_size=24, dtype=torch.float32)
+    moe, weights = _layer(cfg, "triton", "cpu")
+    for w_dtype, ids_dtype in ((torch.bfloat16, torch.int32), (torch.float16, torch.int64)):
+        _expect_close(moe, weights, *_inputs(cfg, 11, 1, "cpu", w_dtype, ids_dtype), cfg)
+    x, ids, w = _inputs(cfg, 17, 2, "cpu")
+    ids[:] = 4
+    ids[::2, 1] = -1
+    _expect_close(moe, weights, x, ids, w, cfg)
+    # non-contiguous inputs
+    x2, ids2, w2 = _inputs(cfg, 20, 3, "cpu")
+    _expect_close(moe, weights, x2[::2], ids2[::2], w2[::2], cfg)
+
+
+def test_local_layer_on_cpu_refuses_bad_ids_before_any_work():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    moe, _ = _layer(cfg, "reference", "cpu")
+    x, ids, w = _inputs(cfg, 5, 0, "cpu")
+    ids[2, 1] = 4
+    with pytest.raises(ValueError, match="expert id 4"):
+        moe(x, weights_TK=w, ids_TK=ids)
+
+
+def test_device_checked_ids_poison_their_tokens_and_raise_on_the_next_call(kernels_on_cpu):
+    """The kernels' id check (on a GPU by default; forced on CPU tensors here past the host check, which
+    CPU inputs always get): a bad id's token is NaN, the others are right, the next call raises once."""
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=24, intermediate_size=16, dtype=torch.float32)
+    moe, weights = _layer(cfg, "triton", "cpu")
+    d = moe.dispatcher
+    x, ids, w = _inputs(cfg, 9, 4, "cpu")
+    bad = ids.clone()
+    bad[3, 0], bad[6, 1] = 8, -7
+    batch = d.dispatch_checked(x, bad, w)  # past check_tokens, as a GPU input would be
+    out = d.combine(moe.experts(batch, weighted=True), batch, weighted=True)
+    assert out[3].isnan().all() and out[6].isnan().all()
+    ok = [t for t in range(9) if t not in (3, 6)]
+    ref = moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)
+    assert rel_error(out[ok], ref[ok]) <= 1e-5
+    with pytest.raises(ValueError, match=r"expert id (8|-7), outside \[-1, E=8\)"):
+        moe(x, weights_TK=w, ids_TK=ids)
+    _expect_close(moe, weights, x, ids, w, cfg)  # raised once; the layer works on
+    d.dispatch_checked(x, bad, w)
+    with pytest.raises(ValueError, match="expert id"):
+        moe.check_errors()
+    moe.check_errors()
+
+
+def test_experts_weight_rows_only_where_they_can():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    moe, _ = _layer(cfg, "reference", "cpu")
+    x, ids, w = _inputs(cfg, 3, 0, "cpu")
+    batch = moe.dispatcher.dispatch(x, ids, w)
+    with pytest.raises(ValueError, match="weight no rows"):
+        moe.experts(batch, weighted=True)
+    y = moe.experts(batch)
+    no_weights = dataclasses.replace(batch, weights_N=None)
+    with pytest.raises(ValueError, match="weights_N"):
+        moe.dispatcher.combine(y, no_weights, weighted=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS, ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("T", [0, 1, 77, 4096])
+def test_gpu_local_layer_without_host_sync(precision, T):
+    """On a GPU the caller-ids path syncs nothing (torch's sync debug mode raises on any sync), and matches
+    the float64 loop; a bad id gives NaN rows and a ValueError on the next call."""
+    cfg = epmoe.MoEConfig(num_experts=64, top_k=6, hidden_size=256, intermediate_size=192, **precision)
+    moe, weights = _layer(cfg, "triton", "cuda")
+    x, ids, w = _inputs(cfg, T, T, "cuda", weights_dtype=torch.bfloat16, ids_dtype=torch.int32)
+    moe(x, weights_TK=w, ids_TK=ids)  # warm-up: compiles and allocates the error word
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x, weights_TK=w, ids_TK=ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = _reference(x, ids, w, weights, cfg)
+    assert rel_error(out.cpu(), ref) <= tolerance(cfg)
+    if T > 1:
+        bad = ids.clone()
+        bad[T // 2, 0] = cfg.num_experts
+        out = moe(x, weights_TK=w, ids_TK=bad)
+        torch.cuda.synchronize()
+        assert out[T // 2].isnan().all() and not out[T // 2 + 1].isnan().any()
+        with pytest.raises(ValueError, match=f"expert id {cfg.num_experts}"):
+            moe(x, weights_TK=w, ids_TK=ids)
