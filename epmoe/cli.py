@@ -2,7 +2,7 @@
 
     epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp32] [--quant none|fp8_block] [sizes]
     epmoe check [--nproc N] [--device cpu|cuda]
-    epmoe bench experts|dispatch|layer ...     (bench dispatch --mode ll -> the low-latency benchmark)
+    epmoe bench experts|dispatch|layer|moe ...     (bench dispatch --mode ll -> the low-latency benchmark)
 
 Ranks are started here with epmoe.launch.spawn (gloo on CPU, NCCL on GPUs), or, when RANK and
 WORLD_SIZE are set, this process is one rank of a torchrun launch.
@@ -22,7 +22,7 @@ from . import launch
 from .testing import add_layer_arguments, layer_spec
 
 _BENCH_MODULES = {"experts": "epmoe.bench.experts", "dispatch": "epmoe.bench.dispatch",
-                  "dispatch_ll": "epmoe.bench.dispatch_ll", "layer": "epmoe.bench.layer"}
+                  "dispatch_ll": "epmoe.bench.dispatch_ll", "layer": "epmoe.bench.layer", "moe": "epmoe.bench.moe"}
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +60,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
-    if not argv or argv[0] not in ("experts", "dispatch", "layer"):
-        print("usage: epmoe bench {experts,dispatch,layer} [options]  (dispatch --mode ll: low latency)",
+    if not argv or argv[0] not in ("experts", "dispatch", "layer", "moe"):
+        print("usage: epmoe bench {experts,dispatch,layer,moe} [options]  (dispatch --mode ll: low latency)",
               file=sys.stderr)
         return 2
     stage, rest = argv[0], list(argv[1:])
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--cases", default=None,
                        help="comma-separated case names to run (default: all; names: epmoe.check.CASES)")
-    sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer ... (options go to the benchmark)",
+    sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer|moe ... (options go to the benchmark)",
                    add_help=False)
     return parser
 

@@ -6,7 +6,7 @@
 # NPROC (2 to 8, default 2): ranks of the multi-GPU tests (as EPMOE_GPU_RANKS), of check, demo and
 # layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
-#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer, gemm
+#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm
 # (gemm: scripts/gemm_probe.py, the launch-config probe behind the large-M table entries) (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
@@ -15,7 +15,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer,gemm}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,moe,dispatch,ll,layer,gemm}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -63,6 +63,7 @@ stage tests2   pytest_gpu "gpu2" tests_gpu2
 stage check    "${EPMOE[@]}" check --device cuda --nproc "$NPROC"
 stage demo     "${EPMOE[@]}" demo --device cuda --nproc "$NPROC"
 stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
+stage moe      "${EPMOE[@]}" bench moe --out "$OUT"
 stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"

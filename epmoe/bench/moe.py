@@ -1,0 +1,463 @@
+"""`epmoe bench moe`: the MoE block on one GPU given router outputs, epmoe against transformers' own experts.
+
+    epmoe bench moe [--shapes ...] [--tokens ...] [--quant bf16 fp8_block] [--repeats N] [--out DIR]
+
+Shape letters: T tokens, D hidden size, E experts, K top-k, F expert intermediate size.
+
+Per shape (SHAPES) and T, the same tensors go through every implementation: x_TD bf16, and the
+top-k of a random router (softmax of random logits, top K, renormalized: weights_TK bf16, ids_TK
+int64, as the models' own routers return them). Implementations:
+  transformers grouped_mm / eager   the family's own experts module (`hf_peer`) running transformers'
+                                    backend of that name (eager only for T <= EAGER_MAX_TOKENS); fp8:
+                                    transformers' FP8 experts where they run (see `hf_peer`)
+  epmoe auto / triton / grouped_mm  `FusedMoE(cfg, None, dispatcher="local", experts=name)` through the
+                                    public API (`load_experts`, then `moe(x, weights_TK=w, ids_TK=ids)`),
+                                    cfg.max_tokens_per_rank = T (one chunk; "auto" picks for this T)
+Weights: one set per shape, made on the GPU from --seed, quantized to fp8_block (128x128 blocks) and
+the bf16 weights set to the dequantized values, so that bf16 and fp8 rows compute the same function.
+
+Per point and implementation:
+  GPU us     median over --repeats back-to-back calls (no sync between them, after warm-up) of the
+             CUDA-event interval between the ends of consecutive calls; the calls cycle through input
+             sets (distinct x and routing) larger together than twice the L2 cache
+  host us    perf_counter over the same calls, until the last one is queued, per call: how long the
+             host takes to queue one (= GPU us where a call syncs the host)
+  GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
+             (GEMM kernels: a name holding one of GEMM_KERNEL_PATTERNS, case-insensitive: epmoe's
+             Triton `_grouped_gemm_kernel`, CUTLASS grouped GEMMs, cuBLAS `nvjet`/`xmma`/`gemv`
+             kernels and its split-K reductions, Triton `matmul` kernels)
+  floor us   max(flops / peak, bytes / 4.16 TB/s): flops = 6 * T*K * D * F at 686 TFLOP/s (fp8: 1276),
+             bytes = the weights of the experts the routing hits (fp8: 1 byte each) + x read + out written
+  % floor    floor / GPU time; TFLOP/s = flops / GPU time
+  x tf       transformers grouped_mm's GPU time / this one's (> 1: faster than transformers); fp8 rows
+             against transformers' FP8 experts, or, where they do not run, its bf16 grouped_mm (said so)
+  rel err    ||out - ref|| / ||ref|| against transformers' eager output on the first input set (epmoe's
+             `reference` experts where transformers is not installed); over epmoe.testing.TOLERANCES
+             is a FAIL, and the exit code is 1
+An implementation whose first call raises is reported and left out of the rest of the run.
+Writes moe.json, moe.md (the table as markdown) and moe.png (x tf against T per shape; matplotlib)
+into --out. Needs one CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import triton
+
+from .._table import format_table
+from ..config import MoEConfig
+from ..layer import FusedMoE
+from ..quant import dequantize_weight_ref
+from ..registry import list_experts
+from ..testing import TOLERANCES, rel_error, sync
+from . import hf_peer
+from .experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, Floor, fmt, quantize_per_expert
+from .hf_peer import MoEShape
+
+SHAPES = {s.name: s for s in (
+    MoEShape(name="qwen3-30b-a3b", family="qwen3_moe", hidden_size=2048, num_experts=128, top_k=8,
+             intermediate_size=768),
+    MoEShape(name="deepseek-v2-lite", family="deepseek_v2", hidden_size=2048, num_experts=64, top_k=6,
+             intermediate_size=1408),
+    MoEShape(name="mixtral-8x7b", family="mixtral", hidden_size=4096, num_experts=8, top_k=2,
+             intermediate_size=14336),
+    MoEShape(name="deepseek-v3", family="deepseek_v3", hidden_size=7168, num_experts=256, top_k=8,
+             intermediate_size=2048),
+)}
+TOKENS = (1, 16, 128, 256, 1024, 4096, 16384)
+QUANTS = ("bf16", "fp8_block")
+EPMOE_EXPERTS = ("auto", "triton", "grouped_mm")
+EAGER_MAX_TOKENS = 256
+WARMUP_CALLS = 2
+PROFILE_CALLS = 2
+L2_BYTES = 60e6  # GPU.md: an H200's L2
+MAX_INPUT_SETS = 8
+GEMM_KERNEL_PATTERNS = ("gemm", "gemv", "splitkreduce", "matmul", "nvjet", "xmma", "cutlass")
+BASELINE = "transformers grouped_mm"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One call's tensors: x_TD bf16 [T, D], weights_TK bf16 [T, K], ids_TK int64 [T, K] in [0, E)."""
+
+    x_TD: torch.Tensor
+    weights_TK: torch.Tensor
+    ids_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of the block: `run(inputs) -> out_TD`; `runs` says what it ran (auto's pick,
+    transformers' backend)."""
+
+    name: str
+    quant: str
+    runs: str
+    run: Callable[[Inputs], torch.Tensor]
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} {self.quant}"
+
+
+@dataclass(frozen=True)
+class ShapeWeights:
+    """Global weights of one shape: bf16 w13_END [E, 2F, D] and w2_EDF [E, D, F]; with fp8, their
+    fp8_block form (float8_e4m3fn, float32 128x128 block scales) and the bf16 ones dequantized from it."""
+
+    w13_END: torch.Tensor
+    w2_EDF: torch.Tensor
+    fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # q13, s13, q2, s2
+
+
+def block_floor(shape: MoEShape, T: int, experts_hit: float, fp8: bool) -> Floor:
+    """The floor of one block call over T tokens whose routing hits `experts_hit` experts: every routed
+    row's 6*D*F flops, and the hit experts' weights, x and the output through HBM once."""
+    D, F = shape.hidden_size, shape.intermediate_size
+    flops = 6.0 * T * shape.top_k * D * F
+    nbytes = experts_hit * 3 * D * F * (1 if fp8 else 2) + 2 * T * D * 2
+    return Floor(flops, nbytes, PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS)
+
+
+def is_gemm_kernel(name: str) -> bool:
+    """Whether a GPU kernel's name marks it as a GEMM (GEMM_KERNEL_PATTERNS)."""
+    lower = name.lower()
+    return any(p in lower for p in GEMM_KERNEL_PATTERNS)
+
+
+def split_kernel_time(kernels: Sequence[tuple[str, float, float]],
+                      windows: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """(GEMM kernel time, all kernel time) per window, from kernels (name, start, end) and windows
+    {key: (start, end)} on one clock; a kernel belongs to the window holding its midpoint (the others
+    count nowhere)."""
+    split = {key: [0.0, 0.0] for key in windows}
+    for name, start, end in kernels:
+        mid = (start + end) / 2
+        for key, (lo, hi) in windows.items():
+            if lo <= mid <= hi:
+                split[key][0] += (end - start) if is_gemm_kernel(name) else 0.0
+                split[key][1] += end - start
+                break
+    return {key: (gemm, total) for key, (gemm, total) in split.items()}
+
+
+def input_sets(T: int, D: int) -> int:
+    """How many input sets the timed calls cycle through: x and out of all of them together at least
+    twice the L2 cache, 2 to MAX_INPUT_SETS."""
+    return max(2, min(MAX_INPUT_SETS, math.ceil(2 * L2_BYTES / (2 * T * D * 2))))
+
+
+def make_weights(shape: MoEShape, fp8: bool, seed: int, device: torch.device) -> ShapeWeights:
+    E, D, F = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    gen = torch.Generator(device).manual_seed(seed)
+    w13_END = torch.randn(E, 2 * F, D, dtype=torch.bfloat16, device=device, generator=gen).mul_(D ** -0.5)
+    w2_EDF = torch.randn(E, D, F, dtype=torch.bfloat16, device=device, generator=gen).mul_(F ** -0.5)
+    if not fp8:
+        return ShapeWeights(w13_END, w2_EDF, None)
+    q13, s13 = quantize_per_expert(w13_END)
+    q2, s2 = quantize_per_expert(w2_EDF)
+    for w, q, s in ((w13_END, q13, s13), (w2_EDF, q2, s2)):
+        for e in range(E):  # one expert at a time: the float32 temporaries stay one expert's size
+            w[e].copy_(dequantize_weight_ref(q[e], s[e]))
+    return ShapeWeights(w13_END, w2_EDF, (q13, s13, q2, s2))
+
+
+def make_inputs(shape: MoEShape, T: int, gen: torch.Generator, device: torch.device) -> Inputs:
+    x_TD = torch.randn(T, shape.hidden_size, dtype=torch.bfloat16, device=device, generator=gen)
+    logits_TE = torch.randn(T, shape.num_experts, device=device, generator=gen)
+    top_TK, ids_TK = logits_TE.softmax(-1).topk(shape.top_k, dim=-1)
+    return Inputs(x_TD, (top_TK / top_TK.sum(-1, keepdim=True)).to(torch.bfloat16), ids_TK)
+
+
+def layer_config(shape: MoEShape, quant: str, max_tokens: int) -> MoEConfig:
+    return MoEConfig(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden_size,
+                     intermediate_size=shape.intermediate_size, dtype=torch.bfloat16,
+                     quant=None if quant == "bf16" else quant, max_tokens_per_rank=max_tokens)
+
+
+def epmoe_impls(shape: MoEShape, T: int, quant: str, weights: ShapeWeights, device: torch.device,
+                skipped: dict[str, str]) -> list[Impl]:
+    cfg = layer_config(shape, quant, T)
+    available = list_experts(cfg, device)
+    impls = []
+    for name in EPMOE_EXPERTS:
+        if name != "auto" and not available[name][0]:
+            skipped[f"epmoe {name} {quant}"] = available[name][1]
+            continue
+        moe = FusedMoE(cfg, None, dispatcher="local", experts=name, device=device)
+        if cfg.quant is None:
+            moe.load_experts(weights.w13_END, weights.w2_EDF)
+        else:
+            q13, s13, q2, s2 = weights.fp8
+            moe.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+        impls.append(Impl(f"epmoe {name}", quant, moe.experts.name,
+                          lambda inp, moe=moe: moe(inp.x_TD, weights_TK=inp.weights_TK, ids_TK=inp.ids_TK)))
+    return impls
+
+
+def peer_modules(shape: MoEShape, weights: ShapeWeights, skipped: dict[str, str]) -> dict[str, torch.nn.Module]:
+    """transformers' experts modules of the shape, by Impl.key (none where transformers is missing)."""
+    if hf_peer.transformers_version() is None:
+        return {}
+    modules = {f"transformers {b} bf16": hf_peer.experts_module(shape, b, weights.w13_END, weights.w2_EDF)
+               for b in ("grouped_mm", "eager")}
+    if weights.fp8 is not None:
+        reason = hf_peer.fp8_unavailable_reason()
+        if reason is None:
+            modules.update({f"transformers {b} fp8_block": hf_peer.fp8_experts_module(shape, b, *weights.fp8)
+                            for b in ("grouped_mm", "eager")})
+        else:
+            skipped["transformers fp8_block"] = reason
+    return modules
+
+
+def peer_impls(modules: dict[str, torch.nn.Module], T: int) -> list[Impl]:
+    impls = []
+    for key, module in modules.items():
+        _, backend, quant = key.split()
+        if backend == "eager" and T > EAGER_MAX_TOKENS:
+            continue
+        impls.append(Impl(f"transformers {backend}", quant, backend,
+                          lambda inp, m=module: m(inp.x_TD, inp.ids_TK, inp.weights_TK)))
+    return impls
+
+
+def time_calls(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], repeats: int,
+               device: torch.device) -> tuple[float, float]:
+    """(GPU ms, host ms) per call, as the module docstring says; on a CPU both are the wall time."""
+    n = len(inputs)
+    for i in range(WARMUP_CALLS):
+        run(inputs[i % n])
+    sync(device)
+    if device.type != "cuda":
+        times = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            run(inputs[i % n])
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), statistics.mean(times)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    t0 = time.perf_counter()
+    marks[0].record()
+    for i in range(repeats):
+        run(inputs[i % n])
+        marks[i + 1].record()
+    host_ms = (time.perf_counter() - t0) * 1e3 / repeats
+    torch.cuda.synchronize(device)
+    return statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])), host_ms
+
+
+def gemm_shares(impls: Sequence[Impl], inputs: Sequence[Inputs], device: torch.device) -> dict[str, float]:
+    """Percent of kernel time in GEMM kernels per Impl.key, from one torch.profiler session: each
+    implementation's calls run inside a record_function window that starts and ends on a synced GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+    labels = {f"epmoe-bench-moe/{i}": impl.key for i, impl in enumerate(impls)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for label, impl in zip(labels, impls):
+            torch.cuda.synchronize(device)
+            time.sleep(1e-3)  # a gap between the windows, far wider than the GPU/host clock skew
+            with record_function(label):
+                for i in range(PROFILE_CALLS):
+                    impl.run(inputs[i % len(inputs)])
+                torch.cuda.synchronize(device)
+    events = prof.events()
+    windows = {labels[e.name]: (e.time_range.start, e.time_range.end) for e in events
+               if e.name in labels and e.device_type == DeviceType.CPU}
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == DeviceType.CUDA and e.name not in labels]
+    return {key: 100.0 * gemm / total for key, (gemm, total) in split_kernel_time(kernels, windows).items()
+            if total > 0}
+
+
+def reference_fn(shape: MoEShape, modules: dict[str, torch.nn.Module], weights: ShapeWeights,
+                 device: torch.device) -> tuple[str, Callable[[Inputs], torch.Tensor]]:
+    """(name, run) of the reference: transformers' eager experts, else epmoe's `reference` experts."""
+    if "transformers eager bf16" in modules:
+        eager = modules["transformers eager bf16"]
+        return "transformers eager", lambda inp: eager(inp.x_TD, inp.ids_TK, inp.weights_TK)
+    moe = FusedMoE(layer_config(shape, "bf16", 4096), None, dispatcher="local", experts="reference", device=device)
+    moe.load_experts(weights.w13_END, weights.w2_EDF)
+    return "epmoe reference", lambda inp: moe(inp.x_TD, weights_TK=inp.weights_TK, ids_TK=inp.ids_TK)
+
+
+def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Callable[[Inputs], torch.Tensor],
+                inputs: Sequence[Inputs], repeats: int, device: torch.device, failed: dict[str, str]) -> list[dict]:
+    """One record per implementation that runs at (shape, T); see the module docstring for the fields."""
+    ref_TD = reference(inputs[0])
+    measured = []
+    for impl in impls:
+        t0 = time.perf_counter()
+        try:
+            out_TD = impl.run(inputs[0])
+            sync(device)
+        except Exception as exc:  # keep the sweep going; said once, in the skipped list
+            failed[impl.key] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"# {shape.name} T={T} {impl.key} failed: {failed[impl.key]}", flush=True)
+            continue
+        first_s = time.perf_counter() - t0
+        err = rel_error(out_TD, ref_TD)
+        del out_TD
+        gpu_ms, host_ms = time_calls(impl.run, inputs, repeats, device)
+        measured.append((impl, gpu_ms, host_ms, err, first_s))
+    shares = gemm_shares([m[0] for m in measured], inputs, device) if device.type == "cuda" else {}
+    gpu_of = {impl.key: gpu_ms for impl, gpu_ms, *_ in measured}
+    hit = statistics.mean(torch.unique(inp.ids_TK).numel() for inp in inputs)
+    records = []
+    for impl, gpu_ms, host_ms, err, first_s in measured:
+        baseline = f"{BASELINE} {impl.quant}"
+        if baseline not in gpu_of:
+            baseline = f"{BASELINE} bf16"
+        floor = block_floor(shape, T, hit, impl.quant == "fp8_block")
+        records.append({
+            "shape": shape.name, "D": shape.hidden_size, "E": shape.num_experts, "K": shape.top_k,
+            "F": shape.intermediate_size, "T": T, "quant": impl.quant, "impl": impl.name, "runs": impl.runs,
+            "gpu_us": gpu_ms * 1e3, "host_us": host_ms * 1e3, "host_pct": 100.0 * host_ms / gpu_ms,
+            "gemm_pct": shares.get(impl.key), "floor_us": floor.ms * 1e3, "pct_floor": 100.0 * floor.ms / gpu_ms,
+            "tflops": floor.flops / gpu_ms / 1e9, "baseline": baseline if baseline in gpu_of else None,
+            "x_transformers": gpu_of[baseline] / gpu_ms if baseline in gpu_of else None,
+            "rel_err": err, "tolerance": TOLERANCES[impl.quant], "ok": err <= TOLERANCES[impl.quant],
+            "first_call_s": first_s, "experts_hit": hit, "input_sets": len(inputs)})
+    return records
+
+
+HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "host us", "host %", "GEMM %", "floor us", "% floor",
+           "TFLOP/s", "x tf", "rel err", "check"]
+
+
+def table_rows(records: Sequence[dict]) -> list[list[str]]:
+    return [[r["shape"], r["T"], r["quant"], r["impl"], r["runs"], fmt(r["gpu_us"]), fmt(r["host_us"]),
+             fmt(r["host_pct"], ".0f"), fmt(r["gemm_pct"], ".0f"), fmt(r["floor_us"]), fmt(r["pct_floor"], ".0f"),
+             fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}", "ok" if r["ok"] else "FAIL"]
+            for r in records]
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
+
+
+def write_plot(records: Sequence[dict], path: Path) -> str:
+    """moe.png: x tf against T, one panel per shape, one line per epmoe implementation and precision."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    if all(r["x_transformers"] is None for r in records):
+        return "no ratio to transformers measured: no plot"
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    cols = min(2, len(shapes))
+    rows = -(-len(shapes) // cols)
+    fig = Figure(figsize=(6.5 * cols, 4.5 * rows))
+    for i, name in enumerate(shapes):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        mine = [r for r in records if r["shape"] == name and r["x_transformers"] is not None
+                and not r["impl"].startswith(BASELINE)]
+        for series in dict.fromkeys((r["impl"], r["quant"]) for r in mine):
+            pts = sorted((r["T"], r["x_transformers"]) for r in mine if (r["impl"], r["quant"]) == series)
+            ax.plot([t for t, _ in pts], [x for _, x in pts], marker="o", label=" ".join(series))
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        shape = SHAPES.get(name)
+        sizes = "" if shape is None else (f" (D {shape.hidden_size}, E {shape.num_experts}, K {shape.top_k}, "
+                                          f"F {shape.intermediate_size})")
+        ax.set_title(name + sizes, fontsize=10)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel(f"{BASELINE} GPU time / GPU time")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
+
+
+def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str], repeats: int, seed: int,
+        out: str | None, device: torch.device) -> int:
+    """The whole sweep; prints the table, writes the files into `out`; 1 if any check failed, else 0."""
+    t_start = time.perf_counter()
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    records: list[dict] = []
+    ref_name = "-"
+    if hf_peer.transformers_version() is None:
+        skipped["transformers"] = "not installed: no transformers rows, no ratios; checked against epmoe's reference"
+    with torch.inference_mode():
+        for shape in shapes:
+            weights = make_weights(shape, "fp8_block" in quants, seed, device)
+            modules = peer_modules(shape, weights, skipped)
+            ref_name, reference = reference_fn(shape, modules, weights, device)
+            gen = torch.Generator(device).manual_seed(seed + 1)
+            for T in tokens:
+                t0 = time.perf_counter()
+                inputs = [make_inputs(shape, T, gen, device) for _ in range(input_sets(T, shape.hidden_size))]
+                impls = [i for i in peer_impls(modules, T) if i.quant in quants or i.key == f"{BASELINE} bf16"]
+                for quant in quants:
+                    impls += epmoe_impls(shape, T, quant, weights, device, skipped)
+                impls = [i for i in impls if i.key not in failed]
+                records += bench_point(shape, T, impls, reference, inputs, repeats, device, failed)
+                print(f"# {shape.name} T={T}: {time.perf_counter() - t0:.1f}s", flush=True)
+                del impls, inputs
+                gc.collect()
+            del weights, modules, reference
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    skipped.update(failed)
+    rows = table_rows(records)
+    print(format_table(HEADERS, rows))
+    print(f"GPU us: median of {repeats} back-to-back calls; host us: time to queue one; GEMM %: kernels named "
+          f"with {'/'.join(GEMM_KERNEL_PATTERNS)}; floor at {PEAK_BF16_TFLOPS:g} (fp8 {PEAK_FP8_TFLOPS:g}) TFLOP/s "
+          f"and {COPY_TBPS} TB/s; rel err vs {ref_name}")
+    baselines = dict.fromkeys((r["quant"], r["baseline"]) for r in records if r["baseline"] is not None)
+    print("x tf: the baseline's GPU time / GPU time; " + "; ".join(f"{q} rows against {b}" for q, b in baselines))
+    for key, reason in skipped.items():
+        print(f"skipped: {key}: {reason}")
+    fails = sum(not r["ok"] for r in records)
+    seconds = time.perf_counter() - t_start
+    print(f"# total {seconds:.0f}s; {len(records)} rows, {fails} over tolerance")
+    if out is not None:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        result = {"bench": "moe", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__, "triton": triton.__version__,
+                  "transformers": hf_peer.transformers_version(), "repeats": repeats, "seed": seed,
+                  "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS, "copy_tbps": COPY_TBPS},
+                  "gemm_kernel_patterns": list(GEMM_KERNEL_PATTERNS), "skipped": skipped, "seconds": seconds,
+                  "points": records}
+        (folder / "moe.json").write_text(json.dumps(result, indent=1) + "\n")
+        (folder / "moe.md").write_text(markdown_table(HEADERS, rows))
+        print(write_plot(records, folder / "moe.png"))
+    return 1 if fails else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="epmoe bench moe", description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="tokens T per call to sweep")
+    p.add_argument("--quant", nargs="+", default=list(QUANTS), choices=list(QUANTS))
+    p.add_argument("--repeats", type=int, default=10, help="timed back-to-back calls per point (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="folder for moe.json, moe.md and moe.png")
+    args = p.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        p.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not torch.cuda.is_available():
+        print("epmoe bench moe: needs a CUDA GPU (it times GPU kernels), and none is visible here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    return run([SHAPES[n] for n in args.shapes], args.tokens, args.quant, args.repeats, args.seed, args.out, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
