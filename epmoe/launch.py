@@ -83,18 +83,29 @@ def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_met
         dist.destroy_process_group()
 
 
+def check_launch(device: str, nprocs: int) -> None:
+    """ValueError unless `nprocs` ranks can start on `device` ("cpu" or "cuda", one GPU per rank) here."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if nprocs < 1:
+        raise ValueError(f"the number of ranks must be >= 1, got {nprocs}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda': no CUDA device is visible here (torch.cuda.is_available() is False)")
+        if torch.cuda.device_count() < nprocs:
+            raise ValueError(f"{nprocs} ranks on cuda need {nprocs} GPUs, found {torch.cuda.device_count()}")
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = (),
           timeout_s: float | None = None) -> list[Any]:
     """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank.
 
-    fn must be importable (defined at module level) and its results picklable. Raises if any rank fails
-    (the other ranks are then terminated). With timeout_s, every collective is bounded by it and the whole
-    run too: past it all ranks are killed and TimeoutError is raised.
+    fn must be importable (defined at module level) and its results picklable. Raises ValueError before
+    any rank starts where `check_launch` refuses; raises if any rank fails (the other ranks are then
+    terminated). With timeout_s, every collective is bounded by it and the whole run too: past it all
+    ranks are killed and TimeoutError is raised.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    if device == "cuda" and torch.cuda.device_count() < nprocs:
-        raise ValueError(f"{nprocs} ranks need {nprocs} GPUs, found {torch.cuda.device_count()}")
+    check_launch(device, nprocs)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     queue = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue, timeout_s, os.getpid()),
