@@ -69,9 +69,19 @@ def _die_with_parent(launcher_pid: int) -> None:
             os._exit(1)
 
 
+def cpu_threads_per_rank(world_size: int) -> int:
+    """torch's intra-op threads for each of `world_size` CPU ranks on this machine: its cores shared out
+    (at least 1). With more threads than cores in all, each op's threads wait for the other ranks' to
+    be scheduled, and a small layer's calls take tens of times longer, by chance."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
             queue, timeout_s: float | None, launcher_pid: int) -> None:
     _die_with_parent(launcher_pid)
+    if device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
     ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)
@@ -98,7 +108,8 @@ def check_launch(device: str, nprocs: int) -> None:
 
 def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = (),
           timeout_s: float | None = None) -> list[Any]:
-    """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank.
+    """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank. CPU
+    ranks share the machine's cores (`cpu_threads_per_rank` torch threads each).
 
     fn must be importable (defined at module level) and its results picklable. Raises ValueError before
     any rank starts where `check_launch` refuses; raises if any rank fails (the other ranks are then
