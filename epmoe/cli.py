@@ -40,7 +40,6 @@ def at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
-    parse.__name__ = f"int >= {low}"
     return parse
 
 
@@ -72,8 +71,9 @@ def launch_world_size(parser: argparse.ArgumentParser, device: str, nproc: int |
     try:
         launch.check_launch(device, local)
     except ValueError as e:
-        hint = "" if device != "cuda" else " (--nproc for fewer ranks)" if torch.cuda.is_available() else \
-            " (--device cpu runs the ranks on the CPU, over gloo)"
+        hint = ""
+        if device == "cuda":
+            hint = " (--nproc for fewer)" if torch.cuda.is_available() else " (--device cpu runs the ranks over gloo)"
         fail(parser, f"{e}{hint}")
     return nproc
 
