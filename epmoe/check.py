@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._table import format_table
 from .config import MoEConfig
 from .launch import RankContext
 from .registry import dispatcher_class
 from .routing import route
-from .testing import (Plan, build_layer, make_tokens, make_weights, max_over_ranks, plan, precision, rank_rows,
-                      reference_layer, rel_error, tolerance)
+from .testing import (Plan, build_layer, make_tokens, make_weights, plan, precision, rank_rows, reference_layer,
+                      rel_error, tolerance)
+from .timing import max_over_ranks
 
 
 @dataclass(frozen=True)
@@ -86,45 +86,57 @@ def without_chunkless(todo: Plan, cfg: MoEConfig, tokens_per_rank: list[int]) ->
 
 
 def check_rank(ctx: RankContext, seed: int, case_names: tuple[str, ...] | None = None) -> int:
-    """Run the cases named (default: every case) on this rank; rank 0 prints the rows. Returns 1 if any
-    row failed."""
+    """Run the cases named (default: every case) on this rank; rank 0 prints each row as it finishes, then
+    the skipped combinations, the failures' errors and the counts. Returns 1 if any row failed."""
     dev, group = ctx.device, ctx.group
-    rows, skipped = [], {}
+    work = []  # (case, cfg, plan) in the order they run
+    for case in CASES:
+        if case_names is None or case.name in case_names:
+            for prec in PRECISIONS:
+                cfg = dataclasses.replace(case.cfg, **prec)
+                work.append((case, cfg, without_chunkless(plan(cfg, group, dev), cfg,
+                                                          case.tokens_per_rank(ctx.world_size))))
+    headers = ["case", "precision", "dispatcher", "experts", "rel err", "tol", "result"]
+    widths = [max([len(headers[0])] + [len(case.name) for case, _, _ in work]), len("fp8_block"),
+              max([len(headers[2])] + [len(d) for _, _, todo in work for d, _ in todo.runs]),
+              max([len(headers[3])] + [len(e) for _, _, todo in work for _, e in todo.runs]), 8, 5, 6]
+
+    def line(cells) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     if ctx.rank == 0:
         print(f"epmoe check: {ctx.world_size} ranks on {dev.type}; relative L2 error vs the single-rank "
               "reference (local dispatcher + reference experts); rows as they finish:", flush=True)
-    for case in CASES:
-        if case_names is not None and case.name not in case_names:
-            continue
-        for prec in PRECISIONS:
-            cfg = dataclasses.replace(case.cfg, **prec)
-            todo = without_chunkless(plan(cfg, group, dev), cfg, case.tokens_per_rank(ctx.world_size))
-            for d_name, e_name, reason in todo.skipped:
-                skipped.setdefault((d_name, e_name, reason), []).append(f"{case.name}/{precision(cfg)}")
-            weights = make_weights(cfg, seed, dev)
-            x_TD, w_TK, ids_TK = case_inputs(case, cfg, ctx.rank, ctx.world_size, seed, dev)
-            ref_TD = reference_layer(cfg, weights, dev, case.shared)(x_TD, weights_TK=w_TK, ids_TK=ids_TK)
-            for d_name, e_name in todo.runs:
-                err, note = float("inf"), ""
-                try:
-                    moe = build_layer(cfg, weights, group, d_name, e_name, dev, case.shared)
-                    err = rel_error(moe(x_TD, weights_TK=w_TK, ids_TK=ids_TK), ref_TD)
-                except Exception as e:  # a failing combination is a FAIL row, not the end of the check
-                    note = f"{type(e).__name__}: {e}"
-                err = max_over_ranks(err, group, dev)
-                ok = err <= tolerance(cfg)
-                rows.append([case.name, precision(cfg), d_name, e_name,
-                             f"{err:.2e}" if err < float("inf") else "-", f"{tolerance(cfg):.0e}",
-                             "PASS" if ok else "FAIL", note])
-                if ctx.rank == 0:
-                    print("  " + " ".join(rows[-1][:7]), flush=True)
+        print(line(headers) + "\n" + "  ".join("-" * w for w in widths), flush=True)
+    rows, failures, skipped = 0, [], {}
+    for case, cfg, todo in work:
+        for d_name, e_name, reason in todo.skipped:
+            skipped.setdefault((d_name, e_name, reason), []).append(f"{case.name}/{precision(cfg)}")
+        weights = make_weights(cfg, seed, dev)
+        x_TD, w_TK, ids_TK = case_inputs(case, cfg, ctx.rank, ctx.world_size, seed, dev)
+        ref_TD = reference_layer(cfg, weights, dev, case.shared)(x_TD, weights_TK=w_TK, ids_TK=ids_TK)
+        for d_name, e_name in todo.runs:
+            err, note = float("inf"), ""
+            try:
+                moe = build_layer(cfg, weights, group, d_name, e_name, dev, case.shared)
+                err = rel_error(moe(x_TD, weights_TK=w_TK, ids_TK=ids_TK), ref_TD)
+            except Exception as e:  # a failing combination is a FAIL row, not the end of the check
+                note = f"{type(e).__name__}: {e}"
+            err = max_over_ranks(err, group, dev)
+            ok = err <= tolerance(cfg)
+            cells = [case.name, precision(cfg), d_name, e_name, f"{err:.2e}" if err < float("inf") else "-",
+                     f"{tolerance(cfg):.0e}", "PASS" if ok else "FAIL"]
+            rows += 1
+            if not ok:
+                failures.append(f"FAIL {'/'.join(cells[:4])}: {note or 'error over tolerance'}")
+            if ctx.rank == 0:
+                print(line(cells), flush=True)
     if ctx.rank == 0:
         for (d_name, e_name, reason), where in skipped.items():
             print(f"skipped: dispatcher {d_name}, experts {e_name}: {reason} ({len(where)} case/precision pairs)")
-        print(format_table(["case", "precision", "dispatcher", "experts", "rel err", "tol", "result", "error"],
-                           rows))
-        failures = sum(row[6] == "FAIL" for row in rows)
-        print(f"{len(rows) - failures} passed, {failures} failed")
+        for failure in failures:
+            print(failure)
         if not rows:
             print("nothing could run: every combination was skipped (see above)")
-    return int(not rows or any(row[6] == "FAIL" for row in rows))
+        print(f"{rows - len(failures)} passed, {len(failures)} failed")
+    return int(not rows or bool(failures))

@@ -4,59 +4,146 @@
     epmoe check [--nproc N] [--device cpu|cuda]
     epmoe bench experts|dispatch|layer|moe ...     (bench dispatch --mode ll -> the low-latency benchmark)
 
-Ranks are started here with epmoe.launch.spawn (gloo on CPU, NCCL on GPUs), or, when RANK and
-WORLD_SIZE are set, this process is one rank of a torchrun launch.
+Every argument and the whole configuration (the layer's MoEConfig, the ranks against the devices) is
+checked here, in the launching process, before any rank starts: a mistake exits with code 2 and one
+line on stderr (argparse's usage and error for options it cannot parse). Ranks are then started with
+epmoe.launch.spawn (gloo on CPU, NCCL on GPUs), or, when RANK and WORLD_SIZE are set, this process is one
+rank of a torchrun launch.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import launch
-from .testing import add_layer_arguments, layer_spec
+from .demo import CPU_SPEC, GPU_SPEC, LayerSpec
 
 _BENCH_MODULES = {"experts": "epmoe.bench.experts", "dispatch": "epmoe.bench.dispatch",
                   "dispatch_ll": "epmoe.bench.dispatch_ll", "layer": "epmoe.bench.layer", "moe": "epmoe.bench.moe"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit with code 2 and one line on stderr: `<prog>: error: <message>`."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=at_least(1), default=None, metavar="N",
                         help="ranks to start (default: 2 on cpu, every GPU on cuda; ignored under torchrun)")
 
 
-def run_ranks(fn: Callable[..., int], device: str, nproc: int | None, args: tuple = ()) -> int:
-    """Run fn(ctx, *args) -> exit code on every rank; return the worst exit code (this rank's under torchrun)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_world_size(parser: argparse.ArgumentParser, device: str, nproc: int | None) -> int:
+    """The number of ranks the launch will have (torchrun's WORLD_SIZE under torchrun); exits 2 (`fail`)
+    where they cannot start on `device` here."""
+    if _under_torchrun():
+        nproc, local = int(os.environ["WORLD_SIZE"]), 1  # each process of the launch needs one device
+    else:
+        if nproc is None:
+            nproc = torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 2
+        local = nproc
+    try:
+        launch.check_launch(device, local)
+    except ValueError as e:
+        hint = ""
+        if device == "cuda":
+            hint = " (--nproc for fewer)" if torch.cuda.is_available() else " (--device cpu runs the ranks over gloo)"
+        fail(parser, f"{e}{hint}")
+    return nproc
+
+
+def run_ranks(fn: Callable[..., int], device: str, world_size: int, args: tuple = ()) -> int:
+    """Run fn(ctx, *args) -> exit code on `world_size` new ranks (launch_world_size's, checked) and return the
+    worst exit code; under torchrun, run it on this rank and return its exit code."""
+    if _under_torchrun():
         ctx = launch.from_torchrun(device)
         try:
             return fn(ctx, *args)
         finally:
             dist.destroy_process_group()
-    if nproc is None:
-        nproc = torch.cuda.device_count() if device == "cuda" else 2
-    return max(launch.spawn(fn, nproc, device, args))
+    return max(launch.spawn(fn, world_size, device, args))
 
 
-def _demo(args: argparse.Namespace) -> int:
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of a LayerSpec (defaults: demo.CPU_SPEC on cpu, demo.GPU_SPEC on cuda)."""
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--quant", choices=["none", "fp8_block"], default="none")
+    parser.add_argument("--num-experts", "-E", type=at_least(1), dest="num_experts", metavar="E",
+                        help="E, routed experts in the layer (divisible by the number of ranks)")
+    parser.add_argument("--topk", "-K", type=at_least(1), dest="top_k", metavar="K", help="K experts per token")
+    parser.add_argument("--hidden", "-D", type=at_least(1), dest="hidden_size", metavar="D", help="D hidden size")
+    parser.add_argument("--intermediate", "-F", type=at_least(1), dest="intermediate_size", metavar="F",
+                        help="F expert width")
+    parser.add_argument("--tokens", "-T", type=at_least(0), dest="tokens_per_rank", metavar="T",
+                        help="T tokens per rank")
+    parser.add_argument("--groups", type=at_least(1), dest="num_groups", metavar="G",
+                        help="expert groups for grouped top-k")
+    parser.add_argument("--topk-groups", type=at_least(1), dest="topk_groups", metavar="G",
+                        help="groups each token picks from")
+    parser.add_argument("--scaling", type=float, dest="routed_scaling_factor", metavar="S",
+                        help="routed scaling factor")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def layer_spec(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> LayerSpec:
+    """The LayerSpec that add_layer_arguments' options ask for on args.device, checked for `world_size`
+    ranks (its MoEConfig, E divisible by the ranks); exits 2 (`fail`) naming the value it refuses."""
+    base = GPU_SPEC if args.device == "cuda" else CPU_SPEC
+    fields = {name: getattr(args, name) for name in (
+        "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens_per_rank", "num_groups",
+        "topk_groups", "routed_scaling_factor") if getattr(args, name) is not None}
+    spec = dataclasses.replace(base, dtype=DTYPES[args.dtype], quant=None if args.quant == "none" else args.quant,
+                               seed=args.seed, **fields)
+    try:
+        spec.config().local_experts(world_size)
+    except ValueError as e:
+        fail(parser, f"{e} (the layer: -E {spec.num_experts} -K {spec.top_k} --groups {spec.num_groups} "
+                     f"--topk-groups {spec.topk_groups} --scaling {spec.routed_scaling_factor}, on {world_size} "
+                     "ranks)")
+    return spec
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .demo import demo_rank
-    return run_ranks(demo_rank, args.device, args.nproc, (layer_spec(args, args.device), args.repeats))
+    world_size = launch_world_size(parser, args.device, args.nproc)
+    spec = layer_spec(parser, args, world_size)
+    return run_ranks(demo_rank, args.device, world_size, (spec, args.repeats, args.warmup))
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .check import CASES, check_rank
     names = [c.name for c in CASES] if args.cases is None else args.cases.split(",")
     unknown = sorted(set(names) - {c.name for c in CASES})
     if unknown:
-        raise SystemExit(f"epmoe check: unknown case(s) {unknown}; cases: {', '.join(c.name for c in CASES)}")
-    return run_ranks(check_rank, args.device, args.nproc, (args.seed, tuple(names)))
+        fail(parser, f"unknown case(s) {unknown}; cases: {', '.join(c.name for c in CASES)}")
+    world_size = launch_world_size(parser, args.device, args.nproc)
+    return run_ranks(check_rank, args.device, world_size, (args.seed, tuple(names)))
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -100,13 +187,16 @@ def _without_mode(argv: Sequence[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `epmoe demo|check` (`bench` hands its options to the benchmark); each subcommand's
+    parser is its namespace's `command_parser`."""
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE: demo, check, bench.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a DeepSeek-shaped MoE layer through every dispatcher, "
                                        "check it against one rank and time it")
     add_launch_arguments(demo)
     add_layer_arguments(demo)
-    demo.add_argument("--repeats", type=int, default=5, help="timed calls per pair (median)")
+    demo.add_argument("--repeats", type=at_least(1), default=5, metavar="N", help="timed calls per pair (median)")
+    demo.add_argument("--warmup", type=at_least(0), default=2, metavar="N", help="untimed calls before them")
     check = sub.add_parser("check", help="every valid dispatcher x experts x precision at several shapes, "
                                          "PASS/FAIL each; exit 1 on any failure")
     add_launch_arguments(check)
@@ -115,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated case names to run (default: all; names: epmoe.check.CASES)")
     sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer|moe ... (options go to the benchmark)",
                    add_help=False)
+    for command_parser in (demo, check):
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -122,8 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
-    return _demo(args) if args.command == "demo" else _check(args)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return (_demo if args.command == "demo" else _check)(args.command_parser, args)
 
 
 if __name__ == "__main__":

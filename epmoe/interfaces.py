@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -312,6 +312,18 @@ class Experts(torch.nn.Module, ABC):
         """Where the weights are (where they were built to be, before `load`)."""
         return self._device if self.w13 is None else self.w13.device
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Experts":
+        """`.to(device)`, `.cuda()`, `.cpu()` move the weights; they keep their dtypes (cfg.dtype, or fp8 with
+        float32 scales). ValueError, before anything moves, for a cast of cfg.dtype to another dtype or a
+        device these experts cannot run on."""
+        device = moved_device(fn, self.cfg, self.device, f"experts {self.name!r}")
+        ok, reason = self.availability(self.cfg, device)
+        if not ok:
+            raise ValueError(f"experts {self.name!r} cannot run on {device}: {reason}")
+        super()._apply(lambda t: t.to(device), recurse)
+        self._device = device
+        return self
+
     @classmethod
     def availability(cls, cfg: MoEConfig, device: torch.device) -> tuple[bool, str]:
         """(available, reason) for this config on `device`, without side effects."""
@@ -382,6 +394,21 @@ class Experts(torch.nn.Module, ABC):
     @abstractmethod
     def _forward(self, batch: ExpertBatch) -> torch.Tensor:
         """y of the batch; experts with `applies_weights` also take `weighted` (rows times weights_N)."""
+
+
+def moved_device(fn: Callable[[torch.Tensor], torch.Tensor], cfg: MoEConfig, device: torch.device,
+                 owner: str) -> torch.device:
+    """The device that torch.nn.Module._apply's `fn` (from `.to()`, `.cuda()`, `.half()`, ...) takes a
+    cfg.dtype tensor on `device` to; ValueError, naming `owner`, if it would also change its dtype or
+    cannot run (a device torch does not have: its AssertionError or RuntimeError)."""
+    try:
+        probe = fn(torch.empty(0, dtype=cfg.dtype, device=device))
+    except (AssertionError, RuntimeError) as e:
+        raise ValueError(f"{owner} cannot move from {device}: {e}") from e
+    if probe.dtype != cfg.dtype:
+        raise ValueError(f"{owner} computes in cfg.dtype={cfg.dtype} and cannot be cast to {probe.dtype}: build "
+                         f"it from a MoEConfig with dtype={probe.dtype} instead")
+    return probe.device
 
 
 def check_pairing(dispatcher: Dispatcher | type[Dispatcher], experts: Experts | type[Experts]) -> None:

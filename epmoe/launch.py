@@ -69,9 +69,19 @@ def _die_with_parent(launcher_pid: int) -> None:
             os._exit(1)
 
 
+def cpu_threads_per_rank(world_size: int) -> int:
+    """torch's intra-op threads for each of `world_size` CPU ranks on this machine: its cores shared out
+    (at least 1). With more threads than cores in all, each op's threads wait for the other ranks' to
+    be scheduled, and a small layer's calls take tens of times longer, by chance."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_method: str, args: tuple,
             queue, timeout_s: float | None, launcher_pid: int) -> None:
     _die_with_parent(launcher_pid)
+    if device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
     ctx = init_rank(rank, world_size, device_type, init_method, timeout_s)
     try:
         result = fn(ctx, *args)
@@ -83,18 +93,30 @@ def _worker(rank: int, fn: Callable, world_size: int, device_type: str, init_met
         dist.destroy_process_group()
 
 
+def check_launch(device: str, nprocs: int) -> None:
+    """ValueError unless `nprocs` ranks can start on `device` ("cpu" or "cuda", one GPU per rank) here."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if nprocs < 1:
+        raise ValueError(f"the number of ranks must be >= 1, got {nprocs}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda': no CUDA device is visible here (torch.cuda.is_available() is False)")
+        if torch.cuda.device_count() < nprocs:
+            raise ValueError(f"{nprocs} ranks on cuda need {nprocs} GPUs, found {torch.cuda.device_count()}")
+
+
 def spawn(fn: Callable[..., Any], nprocs: int, device: str = "cpu", args: tuple = (),
           timeout_s: float | None = None) -> list[Any]:
-    """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank.
+    """Run fn(ctx, *args) on `nprocs` new processes, one per rank; return their results by rank. CPU
+    ranks share the machine's cores (`cpu_threads_per_rank` torch threads each).
 
-    fn must be importable (defined at module level) and its results picklable. Raises if any rank fails
-    (the other ranks are then terminated). With timeout_s, every collective is bounded by it and the whole
-    run too: past it all ranks are killed and TimeoutError is raised.
+    fn must be importable (defined at module level) and its results picklable. Raises ValueError before
+    any rank starts where `check_launch` refuses; raises if any rank fails (the other ranks are then
+    terminated). With timeout_s, every collective is bounded by it and the whole run too: past it all
+    ranks are killed and TimeoutError is raised.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    if device == "cuda" and torch.cuda.device_count() < nprocs:
-        raise ValueError(f"{nprocs} ranks need {nprocs} GPUs, found {torch.cuda.device_count()}")
+    check_launch(device, nprocs)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     queue = mp.get_context("spawn").SimpleQueue()
     procs = mp.start_processes(_worker, args=(fn, nprocs, device, init_method, args, queue, timeout_s, os.getpid()),

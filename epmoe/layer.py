@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
-from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x
+from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
 from .symm import group_rank_world
@@ -51,8 +51,9 @@ class FusedMoE(torch.nn.Module):
             by name too).
         experts: an experts name (see `epmoe.list_experts`) or "auto".
         shared_experts: optional module mapping x_TD -> [T, D], added to the routed output (which is
-            scaled by cfg.routed_scaling_factor first); it sees the whole local batch.
-        device: where activations and local weights live (default: current CUDA device, else CPU).
+            scaled by cfg.routed_scaling_factor first); it sees the whole local batch, as [T, D].
+        device: where activations and local weights live (default: current CUDA device, else CPU);
+            ValueError for a CUDA device that is not there.
         strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
             refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher
             that checks ids on the device (`local` on a GPU) syncs nothing: a bad id's token gets a NaN
@@ -60,6 +61,15 @@ class FusedMoE(torch.nn.Module):
             dispatchers read the ids on the host anyway.
 
     Construction is collective for dispatchers that set up shared buffers: call it on every rank.
+
+    Module state: after `load_experts`, this rank's expert weights are buffers of the `experts`
+    submodule, so `state_dict()` holds `experts.w13` [L, 2F, D] and `experts.w2` [L, D, F] (and for
+    fp8_block `experts.w13_scale`, `experts.w2_scale`, float32 block scales), plus the shared experts'
+    own state (`shared_experts.w13`, `shared_experts.w2` for a GatedMLP). `.to(device)` moves a
+    single-rank layer (whose experts can run there); a layer over several ranks, or whose dispatcher
+    keeps buffers of its own (`ht`, `ll`), stays where it was built (ValueError). The dtype is cfg.dtype:
+    `.to(dtype)`, `.half()`, ... to another dtype raise ValueError; fp8 weights and their scales keep
+    theirs.
     """
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
@@ -70,8 +80,14 @@ class FusedMoE(torch.nn.Module):
         self.strict_ids = strict_ids
         self.group = group
         self.device = default_device() if device is None else torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {str(device)!r}: no CUDA device is visible here "
+                                 "(torch.cuda.is_available() is False)")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            elif self.device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA devices are visible")
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         if isinstance(dispatcher, Dispatcher):
@@ -116,6 +132,21 @@ class FusedMoE(torch.nn.Module):
         a dispatcher that checks ids on the device; see `strict_ids`). A host sync."""
         self.dispatcher.check_device_errors()
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedMoE":
+        """`.to()`, `.cuda()`, `.cpu()`, `.half()`, ...: see the class docstring; refused (ValueError)
+        before anything moves."""
+        device = moved_device(fn, self.cfg, self.device, "FusedMoE")
+        if device != self.device:
+            if self.world_size > 1 or getattr(self.dispatcher, "device", None) is not None:
+                raise ValueError(f"FusedMoE with dispatcher {self.dispatcher.name!r} over {self.world_size} rank(s) "
+                                 f"stays on {self.device}, where it was built: build it on {device} instead")
+            ok, reason = self.experts.availability(self.cfg, device)
+            if not ok:
+                raise ValueError(f"experts {self.experts.name!r} cannot run on {device}: {reason}")
+        super()._apply(fn, recurse)
+        self.device = device
+        return self
+
     def _agrees_chunks(self) -> bool:
         """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""
         return self.world_size > 1 and self.dispatcher.agrees_chunks
@@ -148,6 +179,18 @@ class FusedMoE(torch.nn.Module):
                 return int(n.item())
         return read
 
+    def _as_tokens(self, x_TD: torch.Tensor, *rest: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """x_TD [..., D] and the other inputs given ([..., E] or [..., K], with x_TD's leading dims) as
+        [T, D] / [T, E] / [T, K], T the product of the leading dims (views where the strides allow)."""
+        D = self.cfg.hidden_size
+        if x_TD.dim() == 0 or x_TD.shape[-1] != D:
+            raise ValueError(f"x_TD must be [..., D={D}], got {tuple(x_TD.shape)}")
+        lead = x_TD.shape[:-1]
+        for name, t in zip(("logits_TE", "weights_TK", "ids_TK"), rest):
+            if t is not None and (t.dim() == 0 or t.shape[:-1] != lead):
+                raise ValueError(f"{name} must have x_TD's leading dims {tuple(lead)}, got {tuple(t.shape)}")
+        return tuple(None if t is None else t.reshape(-1, t.shape[-1]) for t in (x_TD, *rest))
+
     def _check_inputs(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None, weights_TK: torch.Tensor | None,
                       ids_TK: torch.Tensor | None, correction_bias_E: torch.Tensor | None) -> None:
         """Every check of forward's arguments, before anything is queued or sent: a rank that raised after
@@ -165,6 +208,8 @@ class FusedMoE(torch.nn.Module):
             check_tokens(self.cfg, x_TD, ids_TK, weights_TK, read_ids=read_ids)
         else:
             check_x(self.cfg, x_TD)
+            if logits_TE.device != x_TD.device:
+                raise ValueError(f"logits_TE is on {logits_TE.device}, x_TD on {x_TD.device}")
             check_logits(logits_TE, self.cfg.num_experts, correction_bias_E, self.cfg.scoring)
             if logits_TE.shape[0] != x_TD.shape[0]:
                 raise ValueError(f"logits_TE has {logits_TE.shape[0]} rows, x_TD {x_TD.shape[0]}")
@@ -180,14 +225,18 @@ class FusedMoE(torch.nn.Module):
         """out_TD = routed_scaling_factor * sum_k w[t,k] * expert_{ids[t,k]}(x[t]) (+ shared_experts(x)).
 
         Args:
-            x_TD: [T, D] in cfg.dtype, on this layer's device; T may be 0 (the rank still takes part).
-            logits_TE: router logits [T, E], routed with cfg's settings; or else give both
+            x_TD: [T, D] in cfg.dtype, on this layer's device; T may be 0 (the rank still takes part). Or
+                any [..., D], e.g. a model's [B, S, D]: the leading dims are the tokens, and the other
+                token inputs have them too ([..., E], [..., K]).
+            logits_TE: router logits [T, E], on x_TD's device, routed with cfg's settings; or else give both
             weights_TK: float [T, K] and ids_TK: int [T, K] (-1 = no expert) from the caller's own gate.
             correction_bias_E: float [E], DeepSeek-V3's score correction bias (sigmoid scoring).
 
         Returns:
-            out_TD: [T, D] in cfg.dtype.
+            out_TD: [T, D] (x_TD's shape) in cfg.dtype.
         """
+        shape = x_TD.shape
+        x_TD, logits_TE, weights_TK, ids_TK = self._as_tokens(x_TD, logits_TE, weights_TK, ids_TK)
         self._check_inputs(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
         # The shared experts first: their GPU work runs while the host routes and queues the dispatch (~1 ms
         # of host time at 4096 tokens on 2 H200s, during which an idle GPU would wait; with a dispatcher
@@ -216,4 +265,4 @@ class FusedMoE(torch.nn.Module):
             out_TD.mul_(self.cfg.routed_scaling_factor)
         if shared_TD is not None:
             out_TD += shared_TD
-        return out_TD
+        return out_TD.view(shape)

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests, `epmoe demo`, `epmoe check` and `epmoe bench layer`.
+"""Test support: the layers, inputs, error measure and plans that the tests, `epmoe check`, `epmoe demo`
+and `epmoe bench layer` check against.
 
 - A layer's global weights and every rank's tokens are made from a seed, identically on every rank, so
   each rank can cut out its own tokens and compute the single-rank reference for them.
@@ -10,11 +11,8 @@ of one rank.
 """
 from __future__ import annotations
 
-import dataclasses
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -174,120 +172,3 @@ def plan(cfg: MoEConfig, group: dist.ProcessGroup | None, device: torch.device |
                 continue
             runs.append((d_name, e_name))
     return Plan(runs, skipped)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn: Callable[[], object], repeats: int, device: torch.device,
-              group: dist.ProcessGroup | None = None, warmup: int = 1) -> float:
-    """Median wall time of fn() in ms over `repeats` runs after `warmup`, ranks lined up by a barrier and
-    the device synchronized around each run."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if group is not None:
-            dist.barrier(group=group)
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def max_over_ranks(value: float, group: dist.ProcessGroup | None, device: torch.device) -> float:
-    """The largest `value` over the ranks of `group` (value itself when group is None)."""
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerSpec:
-    """A DeepSeek-V3-style layer (sigmoid scores + correction bias, grouped top-k, renormalized weights,
-    routed scaling, one shared expert) and the tokens each rank feeds it."""
-
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    tokens_per_rank: int
-    num_groups: int
-    topk_groups: int
-    routed_scaling_factor: float
-    dtype: torch.dtype = torch.bfloat16
-    quant: str | None = None
-    seed: int = 0
-
-    def config(self) -> MoEConfig:
-        return MoEConfig(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
-                         intermediate_size=self.intermediate_size, dtype=self.dtype, quant=self.quant,
-                         max_tokens_per_rank=max(1, self.tokens_per_rank), scoring="sigmoid",
-                         renormalize=True, num_groups=self.num_groups, topk_groups=self.topk_groups,
-                         routed_scaling_factor=self.routed_scaling_factor)
-
-
-# Small enough for two CPU cores; and DeepSeek-V3's layer (4096 tokens per rank) for GPUs.
-CPU_SPEC = LayerSpec(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, tokens_per_rank=64,
-                     num_groups=4, topk_groups=2, routed_scaling_factor=2.5)
-GPU_SPEC = LayerSpec(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, tokens_per_rank=4096,
-                     num_groups=8, topk_groups=4, routed_scaling_factor=2.5)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class RankInputs:
-    """One rank's share of a LayerSpec run: the config, the global weights and this rank's tokens."""
-
-    cfg: MoEConfig
-    weights: LayerWeights
-    x_TD: torch.Tensor
-    logits_TE: torch.Tensor
-
-
-def rank_inputs(spec: LayerSpec, rank: int, world_size: int, device: torch.device) -> RankInputs:
-    """Build `spec`'s weights and rank `rank`'s tokens (every rank draws the same global batch)."""
-    cfg = spec.config()
-    tokens = [spec.tokens_per_rank] * world_size
-    weights = make_weights(cfg, spec.seed, device)
-    x_all, logits_all = make_tokens(cfg, spec.seed, tokens, device)
-    rows = rank_rows(tokens, rank)
-    return RankInputs(cfg, weights, x_all[rows].contiguous(), logits_all[rows].contiguous())
-
-
-def add_layer_arguments(parser) -> None:
-    """Options of LayerSpec for an argparse parser (defaults: CPU_SPEC on cpu, GPU_SPEC on cuda)."""
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--quant", choices=["none", "fp8_block"], default="none")
-    parser.add_argument("--experts-count", "-E", type=int, dest="num_experts", help="E routed experts")
-    parser.add_argument("--topk", "-K", type=int, dest="top_k", help="K experts per token")
-    parser.add_argument("--hidden", "-D", type=int, dest="hidden_size", help="D hidden size")
-    parser.add_argument("--intermediate", "-F", type=int, dest="intermediate_size", help="F expert width")
-    parser.add_argument("--tokens", "-T", type=int, dest="tokens_per_rank", help="T tokens per rank")
-    parser.add_argument("--groups", type=int, dest="num_groups", help="expert groups for grouped top-k")
-    parser.add_argument("--topk-groups", type=int, dest="topk_groups", help="groups each token picks from")
-    parser.add_argument("--scaling", type=float, dest="routed_scaling_factor", help="routed scaling factor")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def layer_spec(args, device: str) -> LayerSpec:
-    """The LayerSpec an argparse namespace from add_layer_arguments asks for on `device` ("cpu"/"cuda")."""
-    base = GPU_SPEC if device == "cuda" else CPU_SPEC
-    fields = {name: getattr(args, name) for name in (
-        "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens_per_rank", "num_groups",
-        "topk_groups", "routed_scaling_factor") if getattr(args, name) is not None}
-    return dataclasses.replace(base, dtype=DTYPES[args.dtype], quant=None if args.quant == "none" else args.quant,
-                               seed=args.seed, **fields)
-
-
-def describe(spec: LayerSpec, world_size: int, device: torch.device | str) -> str:
-    return (f"MoE layer E={spec.num_experts} K={spec.top_k} D={spec.hidden_size} F={spec.intermediate_size} "
-            f"groups={spec.num_groups}/{spec.topk_groups} scaling={spec.routed_scaling_factor} "
-            f"+1 shared expert, {precision(spec.config())}, T={spec.tokens_per_rank}/rank x {world_size} "
-            f"ranks on {torch.device(device).type}")

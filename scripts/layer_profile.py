@@ -34,9 +34,10 @@ import epmoe.kernels.grouped_gemm as grouped_gemm
 import epmoe.kernels.ht as ht_kernels
 import epmoe.layer
 from epmoe.bench.dispatch import NVLINK_ENV
+from epmoe.demo import GPU_SPEC, rank_inputs
 from epmoe.launch import spawn
 from epmoe.layer import FusedMoE
-from epmoe.testing import GPU_SPEC, build_layer, rank_inputs
+from epmoe.testing import build_layer
 
 GAP_US = 5.0
 MARKER = "layer_call"

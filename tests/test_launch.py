@@ -88,3 +88,15 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and
                  Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
     assert not alive, f"ranks {alive} outlived their killed launcher"
+
+
+def _threads(ctx):
+    return torch.get_num_threads()
+
+
+def test_cpu_ranks_share_the_cores():
+    """CPU ranks run as many torch threads as leave every core one thread in all (at least one each)."""
+    from epmoe.launch import cpu_threads_per_rank
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert spawn(_threads, 2, "cpu", timeout_s=120) == [max(1, cores // 2)] * 2
+    assert cpu_threads_per_rank(1) == cores and cpu_threads_per_rank(cores + 1) == 1

@@ -142,12 +142,11 @@ def _choice(logits, scoring, bias=None):
     (24, 3, dict(scoring="sigmoid", num_groups=24, topk_groups=5), torch.float16),  # groups of one expert
     (1000, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4), torch.float32),  # 4 tokens a program
 ])
+@pytest.mark.parametrize("version", ["kernel"], indirect=True)  # compares the kernel with the torch version
 @pytest.mark.parametrize("T", [1, 37])
 def test_kernel_matches_torch_on_random_logits(version, monkeypatch, E, K, kw, dtype, T):
     """Grouped cases in float32: a tie between group scores would let the versions keep different
     groups (the check allows ties between experts only)."""
-    if version == "torch":
-        pytest.skip("compares the two versions")
     g = torch.Generator().manual_seed(E * 100 + T)
     cfg_kw = {k: v for k, v in kw.items() if k != "routed_scaling_factor"}
     cfg = _cfg(E, K, **cfg_kw)
@@ -159,11 +158,10 @@ def test_kernel_matches_torch_on_random_logits(version, monkeypatch, E, K, kw, d
     assert all(len(set(row)) == K for row in got[1].tolist())
 
 
+@pytest.mark.parametrize("version", ["kernel"], indirect=True)  # compares the kernel with the torch version
 def test_kernel_ranks_nan_scores_first_as_torch_topk_does(version, monkeypatch):
     """A NaN score ranks above every number (torch.topk's order) and makes its row's weights NaN (after
     renormalization, all of them); ids stay distinct and in range; other rows are untouched."""
-    if version == "torch":
-        pytest.skip("compares the two versions")
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
     logits[1] = float("nan")
     logits[2, 5] = float("nan")
@@ -181,12 +179,11 @@ def test_kernel_ranks_nan_scores_first_as_torch_topk_does(version, monkeypatch):
     assert w[0, 0].isnan() and not w[0, 1:].isnan().any()  # without renormalization only the NaN pick
 
 
+@pytest.mark.parametrize("version", ["kernel"], indirect=True)  # compares the kernel with the torch version
 @pytest.mark.gpu
 def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
     """4096 tokens, 256 experts, DeepSeek-V3's grouped sigmoid choice with a bias (and softmax top-8); 300
     tokens at K = E = 64 and at 4096 experts in 64 groups."""
-    if version == "torch":
-        pytest.skip("compares the two versions")
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(4096, 256, device="cuda", generator=g)
     bias = torch.randn(256, device="cuda", generator=g) * 0.1
@@ -213,10 +210,9 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
         _assert_same_choice(got, want, _choice(x, "softmax"))
 
 
+@pytest.mark.parametrize("version", ["kernel"], indirect=True)  # the kernel's compile check
 @pytest.mark.parametrize("triton_dir", [None] + OTHER_TRITONS)
 def test_kernel_compiles_for_hopper(version, triton_dir):
     """The routing kernel compiles for sm_90 without spills at the launcher's blocks
     (tests/compile_routing.py; with the installed triton, or the one in triton_dir)."""
-    if version == "torch":
-        pytest.skip("the kernel's compile check")
     assert_compiles("compile_routing.py", triton_dir)

@@ -2,7 +2,7 @@
 --ranks N).
 
     python -m epmoe.bench.dispatch --out OUT_DIR [--tokens 512,1024,4096,8192] [--hidden 7168] [--topk 8]
-                                   [--experts 256] [--iters 20] [--warmup 5]
+                                   [--num-experts 256] [--iters 20] [--warmup 5]
 
 For each tokens-per-rank T and precision (bf16; fp8 dispatch with bf16 combine; and "bf16 SM", the
 rows moved by the send kernel, where the default bf16 dispatcher moves them by copy engine), both ranks
@@ -59,7 +59,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokens", default="512,1024,4096,8192", help="tokens per rank, comma-separated")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--num-experts", "-E", type=int, default=256, dest="num_experts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ranks", type=int, default=2)
@@ -192,7 +192,7 @@ def _rank_main(ctx: RankContext, args: argparse.Namespace) -> list[dict]:
     from ..dispatch.alltoall import AllToAllDispatcher
     from ..dispatch.ht import HtDispatcher
 
-    D, K, E, R = args.hidden, args.topk, args.experts, ctx.world_size
+    D, K, E, R = args.hidden, args.topk, args.num_experts, ctx.world_size
     L, G = E // R, num_groups(D)
     common = dict(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, dtype=torch.bfloat16)
     a2a = AllToAllDispatcher(MoEConfig(**common, max_tokens_per_rank=max(args.tokens)), ctx.group)
@@ -281,7 +281,7 @@ def main(argv: list[str]) -> None:
     rows = sorted((r for rank_rows in per_rank for r in rank_rows), key=lambda r: (r["tokens"], r["precision"], r["rank"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, ranks=args.ranks, iters=args.iters,
+    meta = dict(hidden=args.hidden, topk=args.topk, experts=args.num_experts, ranks=args.ranks, iters=args.iters,
                 warmup=args.warmup, nvlink_GBps_per_direction=NVLINK_GBPS,
                 note="alltoall is bf16 in both precision rows (it has no fp8 dispatch)")
     (out / "bench_dispatch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))

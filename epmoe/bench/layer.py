@@ -11,9 +11,10 @@ CUDA graph (`+graph`: one replay per call, no host work in it). Time: the slowes
 --repeats calls after --warmup calls, each call between device synchronizations and lined up by a
 barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
 Also printed: how evenly the inputs route, (token, expert) rows per expert and per rank: the rank
-with the most rows has the longest expert GEMMs, and every rank's combine waits for it; and the floor
-of that rank's expert MLP on an H200 (epmoe.bench.experts.mlp_floor: FLOPs at the measured dense
-peak, or weight and activation bytes at the copy bandwidth, whichever is longer).
+with the most rows has the longest expert GEMMs, and every rank's combine waits for it; and, on GPUs,
+the floor of that rank's expert MLP on an H200 (epmoe.bench.experts.mlp_floor: FLOPs at the measured
+dense peak, or weight and activation bytes at the copy bandwidth, whichever is longer; in layer.json
+on any device).
 Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
@@ -32,13 +33,14 @@ import torch
 import torch.distributed as dist
 
 from .._table import format_table
+from ..demo import LayerSpec, describe, rank_inputs
 from ..dispatch.ht import HtDispatcher
 from .experts import mlp_floor
 from ..launch import RankContext
-from ..registry import make_dispatcher
+from ..registry import make_dispatcher, resolve_experts
 from ..routing import route
-from ..testing import (LayerSpec, add_layer_arguments, build_layer, describe, layer_spec, max_over_ranks,
-                       median_ms, plan, rank_inputs, rel_error)
+from ..testing import build_layer, plan, rel_error
+from ..timing import max_over_ranks, median_ms
 
 # layers also replayed as CUDA graphs: those whose dispatcher is built for capture (with triton experts)
 GRAPH_DISPATCHERS = ("ll", "ht(sync_free)")
@@ -120,8 +122,9 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
         e, r = load["rows_per_expert"], load["rows_per_rank"]
         print(f"routing: (token, expert) rows per expert min / median / max {e['min']} / {e['median']} / {e['max']} "
               f"(mean {e['mean']:.0f}); per rank {' / '.join(map(str, r))} (largest / mean "
-              f"{max(r) * len(r) / max(sum(r), 1):.2f}); the busiest rank's expert MLP on an H200 takes at "
-              f"least {load['experts_floor_ms_h200']:.3f} ms")
+              f"{max(r) * len(r) / max(sum(r), 1):.2f})")
+        if dev.type == "cuda":
+            print(f"the busiest rank's expert MLP on an H200 takes at least {load['experts_floor_ms_h200']:.4g} ms")
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             record = {"bench": "layer", "device": dev.type, "device_name": _device_name(dev),
@@ -140,15 +143,22 @@ def _device_name(dev: torch.device) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli import add_launch_arguments, run_ranks
+    from ..cli import (add_launch_arguments, add_layer_arguments, at_least, fail, launch_world_size, layer_spec,
+                       run_ranks)
     parser = argparse.ArgumentParser(prog="epmoe bench layer", description=__doc__.split("\n")[0])
     add_launch_arguments(parser)
     add_layer_arguments(parser)
-    parser.add_argument("--experts", default="auto", help="experts implementation (default: auto)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default: 20 on cuda, 5 on cpu)")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--experts", default="auto",
+                        help="experts implementation: auto, reference, triton, grouped_mm (-E sets their number)")
+    parser.add_argument("--repeats", type=at_least(1), default=None, help="timed calls (default: 20 on cuda, 5 on cpu)")
+    parser.add_argument("--warmup", type=at_least(0), default=3)
     parser.add_argument("--out", default=None, help="folder for layer.json")
     args = parser.parse_args(argv)
     repeats = args.repeats or (20 if args.device == "cuda" else 5)
-    return run_ranks(_layer_rank, args.device, args.nproc,
-                     (layer_spec(args, args.device), args.experts, repeats, args.warmup, args.out))
+    world_size = launch_world_size(parser, args.device, args.nproc)
+    spec = layer_spec(parser, args, world_size)
+    try:
+        resolve_experts(args.experts, spec.config(), args.device)
+    except ValueError as e:
+        fail(parser, str(e))
+    return run_ranks(_layer_rank, args.device, world_size, (spec, args.experts, repeats, args.warmup, args.out))

@@ -59,7 +59,8 @@ from ..config import MoEConfig
 from ..layer import FusedMoE
 from ..quant import dequantize_weight_ref
 from ..registry import list_experts
-from ..testing import TOLERANCES, rel_error, sync
+from ..testing import TOLERANCES, rel_error
+from ..timing import sync
 from . import hf_peer
 from .experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, Floor, fmt, quantize_per_expert
 from .hf_peer import MoEShape
