@@ -207,9 +207,10 @@ class Dispatcher(ABC):
         dispatchers that catch bad ids on the device (`checks_ids_on_device`) with inputs on a GPU."""
         return not (self.checks_ids_on_device and x_TD.is_cuda)
 
-    def check_device_errors(self) -> None:
+    def check_device_errors(self, wait: bool = True) -> None:
         """Raise ValueError if the device caught bad input in an earlier call (`checks_ids_on_device`:
-        an id outside [-1, E)); waits for the queued work first (a host sync). Others: nothing to do."""
+        an id outside [-1, E)); with `wait`, after the queued work has run (a host sync), else what the
+        finished work caught by now. Others: nothing to do."""
 
     def dispatch_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                          chunks: int | None = None) -> ExpertBatch:

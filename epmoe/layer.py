@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
+from .graphs import RoutedGraphs
 from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
@@ -54,6 +55,12 @@ class FusedMoE(torch.nn.Module):
             scaled by cfg.routed_scaling_factor first); it sees the whole local batch, as [T, D].
         device: where activations and local weights live (default: current CUDA device, else CPU);
             ValueError for a CUDA device that is not there.
+        cuda_graphs: on one GPU with a dispatcher free of host syncs (`local`), replay the routed part
+            (dispatch, experts, combine) as a CUDA graph per bucket of token counts (epmoe.graphs) for
+            calls of up to `graphs.max_tokens` tokens, where queueing the eager kernels would take the
+            host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
+            run eagerly (and are captured with it). graph_pool: a graph memory pool handle
+            (torch.cuda.graph_pool_handle()) to share with other layers that never run at the same time.
         strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
             refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher
             that checks ids on the device (`local` on a GPU) syncs nothing: a bad id's token gets a NaN
@@ -74,7 +81,8 @@ class FusedMoE(torch.nn.Module):
 
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
                  experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 device: torch.device | str | None = None, strict_ids: bool = False) -> None:
+                 device: torch.device | str | None = None, strict_ids: bool = False, cuda_graphs: bool = True,
+                 graph_pool=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.strict_ids = strict_ids
@@ -106,6 +114,9 @@ class FusedMoE(torch.nn.Module):
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
         self._chunks_stream: torch.cuda.Stream | None = None  # made on the first chunk count over NCCL
+        self.graphs: RoutedGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync:
+            self.graphs = RoutedGraphs(self._routed, cfg, self.device, pool=graph_pool)
 
     def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                      w2_scale: torch.Tensor | None = None) -> None:
@@ -126,6 +137,8 @@ class FusedMoE(torch.nn.Module):
         mine = slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
         scales = {name: None if t is None else t[mine] for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale))}
         self.experts.load(w13_END[mine], w2_EDF[mine], **scales)
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def check_errors(self) -> None:
         """Raise ValueError if the device caught bad input in an earlier call (an id outside [-1, E) with
@@ -145,6 +158,9 @@ class FusedMoE(torch.nn.Module):
                 raise ValueError(f"experts {self.experts.name!r} cannot run on {device}: {reason}")
         super()._apply(fn, recurse)
         self.device = device
+        if self.graphs is not None:
+            self.graphs.clear()
+            self.graphs.device = device
         return self
 
     def _agrees_chunks(self) -> bool:
@@ -178,6 +194,37 @@ class FusedMoE(torch.nn.Module):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 return int(n.item())
         return read
+
+    def _chunks_of(self, x_TD: torch.Tensor) -> int:
+        """This rank's chunks of cfg.max_tokens_per_rank tokens (every rank runs at least one)."""
+        return max(1, -(-x_TD.shape[0] // self.cfg.max_tokens_per_rank))
+
+    def _routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                chunks: Callable[[ExpertBatch], int] | None = None) -> torch.Tensor:
+        """routed_scaling_factor * the routed experts' weighted sum [T, D]: dispatch, experts and combine,
+        in chunks of cfg.max_tokens_per_rank (as many on every rank; `chunks`: the agreed count's reader,
+        `_start_chunk_count`, started by the caller or here). No host sync of its own with a dispatcher
+        free of them (what `graphs` captures)."""
+        T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
+        mine = self._chunks_of(x_TD)
+        chunks = chunks or self._start_chunk_count(mine, x_TD.device)
+        sent = mine if self._agrees_chunks() else None  # the count that goes with each dispatch
+        outs = []
+        chunk, num_chunks = 0, None
+        while chunk != num_chunks:
+            lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
+            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=sent)
+            # the top-k weights in the experts' down projection where both sides can (no pass of their own)
+            weighted = self.experts.applies_weights and batch.weights_N is not None
+            outs.append(self.dispatcher.combine(self.experts(batch, weighted=weighted), batch, weighted=weighted))
+            # the agreed count is read once the first chunk is queued: with the batch's size (agreeing
+            # dispatchers), or a host sync on the all-reduce, over by then
+            num_chunks = num_chunks or chunks(batch)
+            chunk += 1
+        out_TD = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.cfg.routed_scaling_factor != 1.0:
+            out_TD.mul_(self.cfg.routed_scaling_factor)
+        return out_TD
 
     def _as_tokens(self, x_TD: torch.Tensor, *rest: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """x_TD [..., D] and the other inputs given ([..., E] or [..., K], with x_TD's leading dims) as
@@ -242,27 +289,16 @@ class FusedMoE(torch.nn.Module):
         # of host time at 4096 tokens on 2 H200s, during which an idle GPU would wait; with a dispatcher
         # that agrees no chunk count, also the all-reduce that agrees it, ~150-250 µs)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
-        T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
-        mine = max(1, -(-T // step))  # this rank's chunks (every rank runs at least one)
-        chunks = self._start_chunk_count(mine, x_TD.device)
+        graphed = self.graphs is not None and self.graphs.takes(x_TD)
+        chunks = None if graphed else self._start_chunk_count(self._chunks_of(x_TD), x_TD.device)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
-        sent = mine if self._agrees_chunks() else None  # the count that goes with each dispatch
-        outs = []
-        chunk, num_chunks = 0, None
-        while chunk != num_chunks:
-            lo, hi = min(chunk * step, T), min((chunk + 1) * step, T)
-            batch = self.dispatcher.dispatch_checked(x_TD[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi], chunks=sent)
-            # the top-k weights in the experts' down projection where both sides can (no pass of their own)
-            weighted = self.experts.applies_weights and batch.weights_N is not None
-            outs.append(self.dispatcher.combine(self.experts(batch, weighted=weighted), batch, weighted=weighted))
-            # the agreed count is read once the first chunk is queued: with the batch's size (agreeing
-            # dispatchers), or a host sync on the all-reduce, over by then
-            num_chunks = num_chunks or chunks(batch)
-            chunk += 1
-        out_TD = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if self.cfg.routed_scaling_factor != 1.0:
-            out_TD.mul_(self.cfg.routed_scaling_factor)
+        if graphed:
+            self.dispatcher.check_device_errors(wait=False)  # what earlier replays caught (the graph's host
+            #   code, where the dispatcher would look, does not run again)
+            out_TD = self.graphs(x_TD, ids_TK, weights_TK)
+        else:
+            out_TD = self._routed(x_TD, ids_TK, weights_TK, chunks)
         if shared_TD is not None:
             out_TD += shared_TD
         return out_TD.view(shape)

@@ -85,11 +85,12 @@ class LocalDispatcher(Dispatcher):
         super().__init__(cfg, group, **options)
         self._caught = _CaughtIds()
 
-    def check_device_errors(self) -> None:
+    def check_device_errors(self, wait: bool = True) -> None:
         """Raise ValueError if an earlier dispatch on a GPU held an id outside [-1, E) (its tokens' outputs
-        were NaN). Waits for the GPU's queued work first (a host sync)."""
+        were NaN). With `wait`, after the GPU's queued work has run (a host sync); else what the finished
+        work caught by now (no sync)."""
         for device in self._caught.devices():
-            if device.type == "cuda":
+            if wait and device.type == "cuda":
                 torch.cuda.synchronize(device)
         self._raise_caught()
 
