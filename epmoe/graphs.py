@@ -22,7 +22,7 @@ from .config import MoEConfig
 
 # The most bytes a bucket's graph may hold in its pool (intermediates of the routed part): larger buckets
 # run eagerly, where the GPU's work outlasts the host's anyway.
-GRAPH_MAX_BYTES = 256 << 20
+GRAPH_MAX_BYTES = 512 << 20
 
 
 def bucket_bytes(cfg: MoEConfig, tokens: int) -> int:
