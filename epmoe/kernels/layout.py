@@ -103,14 +103,18 @@ def _local_ids(ids_ptr, at, pair, first, L: tl.constexpr, E, CHECK: tl.constexpr
 
 
 @triton.jit
-def _count_kernel(ids_ptr, table_ptr, bad_ptr, P, first, E, K: tl.constexpr, L: tl.constexpr,
+def _count_kernel(ids_ptr, table_ptr, bad_ptr, rows_ptr, P, first, E, K: tl.constexpr, L: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, CHECK: tl.constexpr):
-    """Program b: table[b, l] = pairs of local expert l among rows [b * BLOCK_S, (b + 1) * BLOCK_S);
-    with CHECK, an id outside [-1, E) of the block is stored into bad[0] (any one of them)."""
+    """Program b: table[b, l] = pairs of local expert l among rows [b * BLOCK_S, (b + 1) * BLOCK_S), and
+    zeros into its share of rows [P * K] (batch rows b * BLOCK_S * K onwards; the place kernel, after it,
+    overwrites the valid ones); with CHECK, an id outside [-1, E) of the block is stored into bad[0] (any
+    one of them)."""
     b = tl.program_id(0)
     j, s, k, pair = block_pairs(P, b, K, BLOCK_S, BLOCK_K)
     lid, bad, ids = _local_ids(ids_ptr, s.to(tl.int64) * K + k, pair, first, L, E, CHECK)
     count_block(lid, table_ptr + b * L, L, BLOCK_L)
+    n = b * (BLOCK_S * K) + j
+    tl.store(rows_ptr + n, tl.zeros_like(j), mask=(j < BLOCK_S * K) & (n < P * K))
     if CHECK:
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             tl.store(bad_ptr, tl.max(tl.where(bad, ids, -(1 << 62)), axis=0), cache_modifier=".wt")
@@ -237,15 +241,16 @@ def sort_pairs(ids_PK: torch.Tensor, num_local_experts: int, *, first_expert: in
     blocks = layout_blocks(P, K)
     ids_PK = ids_PK.contiguous()
     table_BL = torch.empty(blocks.blocks, L, dtype=torch.int32, device=dev)
+    rows_N = torch.empty(P * K, dtype=torch.int32, device=dev)
     E = num_experts if check else 1 << 62
     bad = bad_id_1 if check else table_BL
     BLOCK_L = triton.next_power_of_2(L)
     if P:
-        _count_kernel[(blocks.blocks,)](ids_PK, table_BL, bad, P, first_expert, E, K=K, L=L, BLOCK_S=blocks.block_s,
-                                        BLOCK_K=blocks.block_k, BLOCK_L=BLOCK_L, CHECK=check, num_warps=4)
+        _count_kernel[(blocks.blocks,)](ids_PK, table_BL, bad, rows_N, P, first_expert, E, K=K, L=L,
+                                        BLOCK_S=blocks.block_s, BLOCK_K=blocks.block_k, BLOCK_L=BLOCK_L, CHECK=check,
+                                        num_warps=4)
     counts_L, offsets_L1, start_BL = scan(table_BL)
     pos_PK = torch.empty(P, K, dtype=torch.int32, device=dev)
-    rows_N = torch.zeros(P * K, dtype=torch.int32, device=dev)
     weights_N = None if weights_PK is None else torch.empty(P * K, dtype=torch.float32, device=dev)
     if P:
         w = weights_PK.contiguous() if weights_PK is not None else rows_N
