@@ -4,6 +4,7 @@ pair on one expert, K = 1, K = E, E = 1, experts of another rank (first_expert),
 import pytest
 import torch
 
+from compile_run import OTHER_TRITONS, assert_compiles
 from epmoe.kernels import layout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -105,3 +106,10 @@ def test_gather_sum_matches_reference(P, K, D, N, weighted, device):
                 exp[p] += (1.0 if w is None else float(w[p, k])) * y[pos[p, k]].double().cpu()
     ok = ~(pos == layout.BAD_POS).any(1).cpu()
     torch.testing.assert_close(got.cpu().double()[ok], exp[ok], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("triton_dir", [None, *OTHER_TRITONS])
+def test_layout_kernels_compile_for_hopper(triton_dir):
+    """The layout kernels and gather_sum compile for sm_90 without spills (tests/compile_layout.py; with the
+    installed triton, and the GPU machine's where EPMOE_OTHER_TRITONS names it)."""
+    assert_compiles("compile_layout.py", triton_dir)

@@ -39,9 +39,15 @@ BLOCK_PAIRS = 128
 SCAN_EXPERTS = 8
 SCAN_BLOCKS = 512
 SCAN_SUM_STEP = 16384
-# gather_sum: columns per program, and rows per program (about 8K elements of a row tile)
+
+
+def scan_warps(num_local_experts: int) -> int:
+    """Warps of a scan program: 16 past 128 experts, so that a sum step's tile stays in registers."""
+    return 8 if num_local_experts <= 128 else 16
+# gather_sum: columns per program, and rows per program (about 4K elements of a row tile: no spills at K 8)
 GATHER_COLUMNS = 1024
-GATHER_ELEMENTS = 8192
+GATHER_ELEMENTS = 4096
+GATHER_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ def scan(table_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     BLOCK_L = triton.next_power_of_2(L)
     _scan_kernel[(triton.cdiv(L, SCAN_EXPERTS),)](
         table_BL, counts_L, offsets_L1, start_BL, B, L=L, BLOCK_T=max(1, SCAN_SUM_STEP // BLOCK_L),
-        BLOCK_B=SCAN_BLOCKS, BLOCK_E=SCAN_EXPERTS, BLOCK_L=BLOCK_L, num_warps=8)
+        BLOCK_B=SCAN_BLOCKS, BLOCK_E=SCAN_EXPERTS, BLOCK_L=BLOCK_L, num_warps=scan_warps(L))
     return counts_L, offsets_L1, start_BL
 
 
@@ -345,7 +351,7 @@ def gather_sum(y_ND: torch.Tensor, pos_PK: torch.Tensor, out_dtype: torch.dtype,
     w = weights_PK.contiguous() if weights_PK is not None else pos_PK
     _gather_sum_kernel[(triton.cdiv(P, rows), triton.cdiv(D, block_d))](
         y_ND.contiguous(), pos_PK.contiguous(), w, out, P, D, K=K, WEIGHTED=weights_PK is not None, ROWS=rows,
-        BLOCK_D=block_d, num_warps=4)
+        BLOCK_D=block_d, num_warps=GATHER_WARPS)
     return out
 
 
