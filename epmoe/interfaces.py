@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .config import MoEConfig
 from .quant import FP8_DTYPE, num_groups
-from .symm import EmulatedGroup, group_rank_world
+from .symm import WorkspaceBackend, group_rank_world
 
 
 class Layout(enum.Enum):
@@ -33,6 +33,13 @@ class Layout(enum.Enum):
 
     CONTIGUOUS = "contiguous"
     BATCHED = "batched"
+
+
+class DispatchHandle:
+    """Base of each dispatcher's routing state (its own frozen dataclass), carried by the ExpertBatch that
+    its dispatch returns and consumed by its combine."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,8 @@ class ExpertBatch:
         counts_L: int32 [L] on x's device: rows of each local expert. Device-resident; reading it on the
             host is a sync.
         offsets_L1: CONTIGUOUS only (None for BATCHED): int32 [L+1] exclusive prefix sum of counts_L.
-        handle: dispatcher-private routing state that `combine` consumes; never modify it.
+        handle: the dispatcher's routing state that its `combine` consumes (never modify it); None for a
+            batch made without a dispatcher (experts tests).
         row_index_N: CONTIGUOUS only, optional int32 [N] on x's device: batch row i is x[row_index_N[i]]
             (and x_scale[row_index_N[i]]), so a dispatcher can hand over each received row once (x, S
             source rows, may then view the dispatcher's buffers) instead of one copy per local expert.
@@ -67,7 +75,7 @@ class ExpertBatch:
     x_scale: torch.Tensor | None
     counts_L: torch.Tensor
     offsets_L1: torch.Tensor | None
-    handle: Any
+    handle: DispatchHandle | None
     row_index_N: torch.Tensor | None = None
     weights_N: torch.Tensor | None = None
 
@@ -168,7 +176,7 @@ class Dispatcher(ABC):
     checks_ids_on_device: ClassVar[bool] = False
     reads_any_weight_dtype: ClassVar[bool] = False
 
-    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None = None,
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | WorkspaceBackend | None = None,
                  **options: Any) -> None:
         if options:
             raise ValueError(f"dispatcher {self.name!r} takes no options {sorted(options)}")
@@ -179,7 +187,7 @@ class Dispatcher(ABC):
         self.first_expert = self.rank * self.num_local_experts
 
     @classmethod
-    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[bool, str]:
+    def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[bool, str]:
         """(available, reason) for this config and group, without side effects."""
         if not isinstance(group, dist.ProcessGroup):
             return False, "needs a torch.distributed process group"

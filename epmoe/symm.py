@@ -1,20 +1,24 @@
 """Symmetric workspaces: named buffers at the same offsets on every rank, reachable through peer addresses.
 
 The NVLink dispatchers (`ht`, `ll`) store rows straight into peers' buffers from Triton kernels: a
-kernel loads a peer's address from an int64 table and casts it to a pointer. Two backends:
+kernel loads a peer's address from an int64 table (`Workspace.peers`) and casts it to a pointer
+(epmoe/kernels/sync.py). A dispatcher gets its workspace from a `WorkspaceBackend`, the one interface of
+its two implementations:
 
-- `torch_workspace`: torch.distributed._symmetric_memory over a real process group (CUDA, one host).
+- `TorchSymmetricMemory`: torch.distributed._symmetric_memory over a real process group (CUDA, one host).
 - `EmulatedGroup`: several ranks in ONE process (CPU tensors, TRITON_INTERPRET=1, or one GPU); every
-  rank's buffers are ordinary tensors and the tables hold their addresses. Ranks run phase by phase:
-  every rank's send step, then every rank's receive step, so device-side waits are already satisfied.
+  rank's buffers are ordinary tensors and the tables hold their addresses. Its ranks run in turn, phase
+  by phase: every rank's send step, then every rank's receive step, so a device-side wait must never
+  wait for a later phase (`runs_in_turn`).
 
 Shape letters: R ranks.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +64,7 @@ class Workspace:
             Triton: tl.load(table + r).to(tl.pointer_type(dtype))).
         peer(name, r): rank r's buffer `name` as a tensor on this device (its memory mapped here: copies
             into it move bytes to rank r, by the copy engine on a GPU).
+        views(cls, **given) / tables(cls): a dataclass of local buffers / of address tables, by field name.
     """
 
     def __init__(self, specs: list[BufferSpec], raws: list[torch.Tensor], bases: list[int], rank: int) -> None:
@@ -87,6 +92,16 @@ class Workspace:
     def peer(self, name: str, r: int) -> torch.Tensor:
         return self._local[name] if r == self.rank else self._view(r, name)
 
+    def views(self, cls: type, **given: Any) -> Any:
+        """The dataclass `cls` with each field this rank's buffer of the same name (None where the
+        workspace has none), except the fields in `given`."""
+        return cls(**{f.name: self._local.get(f.name) for f in fields(cls) if f.name not in given}, **given)
+
+    def tables(self, cls: type) -> Any:
+        """The dataclass `cls` with each field the address table (`peers`) of the buffer of the same
+        name (None where the workspace has none)."""
+        return cls(**{f.name: self._peers.get(f.name) for f in fields(cls)})
+
 
 def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: torch.device) -> Workspace:
     """Allocate `specs` in CUDA symmetric memory on every rank of `group` (collective). Zero-filled."""
@@ -108,6 +123,38 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     return ws
 
 
+class WorkspaceBackend(ABC):
+    """Where a symmetric-memory dispatcher's workspace comes from, and how its ranks run.
+
+    rank, world_size: this rank and R. runs_in_turn: the ranks share one process and run phase by phase
+    (the dispatchers then launch every device-side wait only where the awaited signals were sent in an
+    earlier phase). default_device: where buffers live unless the dispatcher is told otherwise."""
+
+    rank: int
+    world_size: int
+    runs_in_turn: ClassVar[bool]
+    default_device: ClassVar[str]
+
+    @abstractmethod
+    def workspace(self, key: Any, specs: list[BufferSpec], device: torch.device) -> Workspace:
+        """This rank's workspace of `specs` on `device`, zero-filled; collective over the ranks. Dispatchers
+        of equal `key` may share one (emulated ranks do: they then act as one dispatcher)."""
+
+
+class TorchSymmetricMemory(WorkspaceBackend):
+    """The ranks of a NCCL process group, one GPU each, with torch's symmetric memory."""
+
+    runs_in_turn = False
+    default_device = "cuda"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+
+    def workspace(self, key: Any, specs: list[BufferSpec], device: torch.device) -> Workspace:
+        return torch_workspace(specs, self.group, device)
+
+
 @dataclass
 class _EmulatedWorld:
     world_size: int
@@ -115,7 +162,7 @@ class _EmulatedWorld:
 
 
 @dataclass(frozen=True)
-class EmulatedGroup:
+class EmulatedGroup(WorkspaceBackend):
     """A stand-in process group for rank `rank` of `world_size` ranks emulated in one process.
 
     Make all ranks' groups with `EmulatedGroup.world(R)`. Dispatchers built on these share workspaces
@@ -125,6 +172,8 @@ class EmulatedGroup:
     rank: int
     world_size: int
     _world: _EmulatedWorld
+    runs_in_turn: ClassVar[bool] = True
+    default_device: ClassVar[str] = "cpu"
 
     @staticmethod
     def world(world_size: int) -> list["EmulatedGroup"]:
@@ -144,6 +193,12 @@ class EmulatedGroup:
         return table[key][self.rank]
 
 
+def workspace_backend(group: dist.ProcessGroup | WorkspaceBackend) -> WorkspaceBackend:
+    """The backend of a group that `symmetric_world` accepted: itself (EmulatedGroup), or torch's
+    symmetric memory over a process group."""
+    return group if isinstance(group, WorkspaceBackend) else TorchSymmetricMemory(group)
+
+
 MAX_NVLINK_WORLD = 8
 
 
@@ -159,10 +214,10 @@ def indexed_device(device: torch.device | str) -> torch.device:
 def symmetric_world(cfg, group) -> tuple[int, str]:
     """(R, "ok") when the symmetric-memory dispatchers can run `cfg` over `group`, else (0, reason).
 
-    `group` must be an EmulatedGroup, or a NCCL group of at most 8 ranks, all GPUs of this host, with
-    torch symmetric memory; E must be divisible by R.
+    `group` must be a WorkspaceBackend (an EmulatedGroup), or a NCCL group of at most 8 ranks, all GPUs
+    of this host, with torch symmetric memory; E must be divisible by R.
     """
-    if isinstance(group, EmulatedGroup):
+    if isinstance(group, WorkspaceBackend):
         world = group.world_size
     elif isinstance(group, dist.ProcessGroup):
         if not torch.cuda.is_available():
@@ -185,10 +240,10 @@ def symmetric_world(cfg, group) -> tuple[int, str]:
     return world, "ok"
 
 
-def group_rank_world(group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[int, int]:
-    """(rank, world size) of a process group, an EmulatedGroup, or None (a single rank)."""
+def group_rank_world(group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[int, int]:
+    """(rank, world size) of a process group, a WorkspaceBackend (an EmulatedGroup), or None (a single rank)."""
     if group is None:
         return 0, 1
-    if isinstance(group, EmulatedGroup):
+    if isinstance(group, WorkspaceBackend):
         return group.rank, group.world_size
     return dist.get_rank(group), dist.get_world_size(group)

@@ -3,7 +3,7 @@ and how long local items spun for the peers' partial rows.
 
     python3 scripts/combine_trace.py [--tokens 4096] [--lags 1.0] [--out DIR]
 
-Loads a copy of epmoe/kernels/ht.py whose combine kernel also stores, per ticket, (kind, program,
+Loads a copy of epmoe/kernels/ht/combine.py whose combine kernel also stores, per ticket, (kind, program,
 start, end of the wait, end) in global-timer ns, swaps it into the dispatcher, and runs the combine of
 one 4096-token DeepSeek-V3-shaped dispatch (D 7168, K 8, E 256) from a device barrier. Variant
 "no wait": local items skip their wait for the peers' partial rows (wrong sums: how long the
@@ -28,9 +28,10 @@ from epmoe.config import MoEConfig
 from epmoe.launch import spawn
 
 PATCHES = [  # (old, new): each old must occur exactly once
-    ("from ..config import", "from epmoe.config import"),
-    ("from .quant import", "from epmoe.kernels.quant import"),
-    ("from .sync import DeviceWait, spin_until", "from epmoe.kernels.sync import DeviceWait, now_ns, spin_until"),
+    ("from ..sync import DeviceWait, peer_ptr, spin_until",
+     "from epmoe.kernels.sync import DeviceWait, now_ns, peer_ptr, spin_until"),
+    ("from .buffers import HtBuffers", "from epmoe.kernels.ht.buffers import HtBuffers"),
+    ("from .launch import HtLaunch", "from epmoe.kernels.ht.launch import HtLaunch"),
     ("LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr):",
      "LOCAL: tl.constexpr, TIMEOUT_NS: tl.constexpr, INTERPRET: tl.constexpr, trace_ptr, NO_WAIT: tl.constexpr):"),
     ("    while ticket < total:\n        i = ticket // R\n",
@@ -44,21 +45,20 @@ PATCHES = [  # (old, new): each old must occur exactly once
      "                    _wait_partials(slot_ptr, ready_ptr, j, T, epoch, rank, control_ptr + 2, TIMEOUT_NS, R, NI,\n"
      "                                   ROWS, INTERPRET)\n"
      "                t_w = now_ns(t_0, INTERPRET)\n                kind = 2\n"),
-    ("        ticket = tl.atomic_add(control_ptr, 1)\n    if tl.atomic_add(control_ptr + 1, 1)",
+    ("        ticket = tl.atomic_add(control_ptr, 1, sem=\"relaxed\")\n    if tl.atomic_add(control_ptr + 1, 1)",
      "        if kind > 0:\n            at = trace_ptr + ticket.to(tl.int64) * 5\n"
      "            tl.store(at, kind.to(tl.int64))\n            tl.store(at + 1, tl.program_id(0).to(tl.int64))\n"
      "            tl.store(at + 2, t_0)\n            tl.store(at + 3, t_w)\n"
      "            tl.store(at + 4, now_ns(t_w, INTERPRET))\n"
-     "        ticket = tl.atomic_add(control_ptr, 1)\n    if tl.atomic_add(control_ptr + 1, 1)"),
-    ("REMOTE=remote, LOCAL=local, TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret,",
-     "REMOTE=remote, LOCAL=local, TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret, trace_ptr=TRACE[0],"
-     " NO_WAIT=NO_WAIT[0],"),
+     "        ticket = tl.atomic_add(control_ptr, 1, sem=\"relaxed\")\n    if tl.atomic_add(control_ptr + 1, 1)"),
+    ("TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret,",
+     "TIMEOUT_NS=wait.timeout_ns, INTERPRET=wait.interpret, trace_ptr=TRACE[0], NO_WAIT=NO_WAIT[0],"),
 ]
 
 
 def traced_kernels(tmp: str):
-    """A copy of epmoe.kernels.ht with the traced combine kernel (TRACE[0]: int64 [tickets, 5])."""
-    import epmoe.kernels.ht as original
+    """A copy of epmoe.kernels.ht.combine with the traced combine kernel (TRACE[0]: int64 [tickets, 5])."""
+    import epmoe.kernels.ht.combine as original
     src = open(original.__file__).read()
     for old, new in PATCHES:
         if src.count(old) != 1:
@@ -102,8 +102,10 @@ def _summary(trace: torch.Tensor) -> dict:
 
 
 def _rank(ctx, args):
-    import epmoe.dispatch.ht as htmod
-    htmod.kernels = mod = traced_kernels(tempfile.mkdtemp())
+    import epmoe.dispatch.ht.combine as combine_module
+    from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.kernels.ht import ht_launch
+    combine_module.kernels = mod = traced_kernels(tempfile.mkdtemp())  # the combine strategies' kernels
     T, D, K, E = args.tokens, 7168, 8, 256
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=128, max_tokens_per_rank=T)
     x, ids, w = random_inputs(T, D, E, K, ctx.device, seed=1000 * ctx.rank)
@@ -112,8 +114,8 @@ def _rank(ctx, args):
     out = []
     kept = []
     for lag in args.lags:
-        launch = dataclasses.replace(mod.ht_launch(cfg.row_bytes, ctx.device), combine_lag=lag)
-        d = htmod.HtDispatcher(cfg, ctx.group, launch=launch)
+        launch = dataclasses.replace(ht_launch(cfg.row_bytes, ctx.device), combine_lag=lag)
+        d = HtDispatcher(cfg, ctx.group, launch=launch)
         kept.append(d)
         b = d._dispatch(x, ids, w)
         y = torch.randn(b.out_shape, device=ctx.device).to(torch.bfloat16)

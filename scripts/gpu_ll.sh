@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${1:-results}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-timeout 240 python -m pytest -q tests/test_ll.py -k "not test_gpus_" --durations=5 2>&1 | tee "$OUT/test_ll_emulated.txt" | tail -12
-timeout 170 python -m pytest -q tests/test_ll.py -k test_gpus_eager --durations=3 2>&1 | tee "$OUT/test_ll_eager.txt" | tail -25
-timeout 170 python -m pytest -q tests/test_ll.py -k test_gpus_graph --durations=3 2>&1 | tee "$OUT/test_ll_graph.txt" | tail -25
+timeout 240 python -m pytest -q tests/test_ll.py --durations=5 2>&1 | tee "$OUT/test_ll_emulated.txt" | tail -12
+timeout 170 python -m pytest -q tests/test_ll_gpu.py -k test_gpus_eager --durations=3 2>&1 | tee "$OUT/test_ll_eager.txt" | tail -25
+timeout 170 python -m pytest -q tests/test_ll_gpu.py -k test_gpus_graph --durations=3 2>&1 | tee "$OUT/test_ll_graph.txt" | tail -25
 timeout 300 python -m epmoe.bench.dispatch_ll --out "$OUT" 2>&1 | tee "$OUT/bench_ll.txt" | tail -20

@@ -4,7 +4,7 @@ kernels, the combine's tiles and lag, at one size (default T 4096, D 7168, K 8, 
     python3 scripts/ht_probe.py [--tokens 4096] [--iters 20] [--size-timing] [--profile OUT_DIR]
 
 Prints, per setting, the median transfer / dispatch / combine time of each rank (epmoe.bench.dispatch
-timing). The winner goes into epmoe/kernels/ht.py `ht_launch`. --size-timing: also when the host
+timing). The winner goes into epmoe/kernels/ht/launch.py `ht_launch`. --size-timing: also when the host
 starts polling for the batch size and when it has it, against the layout being ready (is disp - ready
 the size arriving late, or the host?). With --profile, instead runs the default
 setting under torch.profiler and writes rank 0's kernel table and chrome trace per precision to OUT_DIR
@@ -35,26 +35,26 @@ SETTINGS = [(1, 8, 1, 8), (2, 4, 2, 4), (1, 8, 4, 4), (2, 8, 2, 8)]
 
 
 class _SizeTiming:
-    """Wraps HtDispatcher._batch_size: per call, GPU-clock events of the layout being ready (on the calling
-    stream, which records `ready` just before the host reads the size), of the host starting its poll and
-    of the host having the size (both on an idle stream, so each completes when the GPU sees the record:
-    the host's moment plus the launch latency, a few µs)."""
+    """Wraps Overlapped.batch_size (the host's poll): per call, GPU-clock events of the layout being ready
+    (on the calling stream, which records `ready` just before the host reads the size), of the host
+    starting its poll and of the host having the size (both on an idle stream, so each completes when the
+    GPU sees the record: the host's moment plus the launch latency, a few µs)."""
 
     def __init__(self, cls) -> None:
-        self.cls, self.original = cls, cls._batch_size
+        self.cls, self.original = cls, cls.batch_size
         self.idle = torch.cuda.Stream()
         self.calls = []
         timing = self
 
-        def batch_size(dispatcher, pending):
+        def batch_size(schedule, pending):
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             ev[0].record(torch.cuda.current_stream())
             ev[1].record(timing.idle)
-            n = timing.original(dispatcher, pending)
+            n = timing.original(schedule, pending)
             ev[2].record(timing.idle)
             timing.calls.append(ev)
             return n
-        cls._batch_size = batch_size
+        cls.batch_size = batch_size
 
     def take(self) -> tuple[float, float]:
         """Medians (µs) of the poll's start and of the size's arrival at the host, each minus ready (the
@@ -68,8 +68,9 @@ class _SizeTiming:
 
 def _rank(ctx, args):
     from epmoe.dispatch.ht import HtDispatcher
+    from epmoe.dispatch.ht.schedule import Overlapped
     from epmoe.kernels.ht import registers_per_thread
-    timing = _SizeTiming(HtDispatcher) if args.size_timing else None
+    timing = _SizeTiming(Overlapped) if args.size_timing else None
 
     T, D, K, E = args.tokens, 7168, 8, 256
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count

@@ -19,9 +19,9 @@ import torch
 import triton
 
 from epmoe.kernels import grouped_gemm as gg
-from epmoe.kernels import ht as k
 from epmoe.kernels.grouped_gemm import ExpertRows, gate_up
-from epmoe.kernels.ht import layout_blocks
+from epmoe.kernels.ht import layout as k
+from epmoe.kernels.layout import layout_blocks
 
 try:  # triton >= 3.4
     from triton import knobs

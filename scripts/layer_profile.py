@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import epmoe.experts.triton as triton_experts
 import epmoe.kernels.grouped_gemm as grouped_gemm
-import epmoe.kernels.ht as ht_kernels
+from epmoe.kernels.ht import combine as ht_combine, layout as ht_layout, send as ht_send
 import epmoe.layer
 from epmoe.bench.dispatch import NVLINK_ENV
 from epmoe.demo import GPU_SPEC, rank_inputs
@@ -119,9 +119,10 @@ class _Marks:
 def _deep_marks(moe: FusedMoE) -> list[tuple[object, str, str]]:
     """(owner, attribute, label) of the functions --deep marks too: the ht kernels' wrappers, the copy
     engine, the grouped GEMMs' launch steps and the Triton launch of their kernel."""
-    names = ("number_pairs", "copy_rows", "layout_count", "layout_scan", "layout_place", "wait_flags", "combine")
-    found = [(ht_kernels, n, f"kernels.{n}") for n in names]
-    engine = getattr(moe.dispatcher, "_engine", None)
+    names = [(ht_send, ("number_pairs", "copy_rows", "wait_flags")),
+             (ht_layout, ("layout_count", "layout_scan", "layout_place")), (ht_combine, ("combine",))]
+    found = [(module, n, f"kernels.{n}") for module, ns in names for n in ns]
+    engine = getattr(getattr(getattr(moe.dispatcher, "_schedule", None), "transport", None), "engine", None)
     if engine is not None:
         found.append((engine, "send_rows", "engine.send_rows"))
     return found + [(grouped_gemm, "_launch", "gemm _launch"), (grouped_gemm, "_descriptor", "gemm _descriptor"),

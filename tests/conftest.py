@@ -2,7 +2,9 @@
 tests marked `gpu` (needs CUDA) or `gpu2` (needs several CUDA devices: gpu_ranks.gpu_test_ranks(),
 $EPMOE_GPU_RANKS, default 2) where those are missing.
 
-TRITON_INTERPRET must be set before triton is first imported, hence here and not in a test module.
+TRITON_INTERPRET must be set before triton is first imported, hence here and not in a test module. The
+multi-GPU tests' ranks inherit the environment: NVLink multicast stays off there, as on the GPU machines
+(epmoe.bench.dispatch.NVLINK_ENV).
 """
 import os
 
@@ -11,6 +13,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from epmoe.bench.dispatch import NVLINK_ENV  # noqa: E402 (after TRITON_INTERPRET)
+
+for _key, _value in NVLINK_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ import torch
 
 import epmoe
 from epmoe.launch import spawn
+from epmoe.symm import EmulatedGroup
 from epmoe.testing import build_layer, make_tokens, make_weights, rank_rows, reference_layer, rel_error, shared_expert
 from gpu_ranks import gpu_test_ranks
 
@@ -306,3 +307,23 @@ def test_fused_moe_weights_are_module_state_and_fp8_checkpoints_load_as_they_are
                           device="cpu")
     with pytest.raises(ValueError, match="fp8_block"):
         bf16.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+
+
+@pytest.mark.parametrize("name,options", [("ht", {}), ("ht", dict(sync_free=True)), ("ll", dict(combine="reduce")),
+                                          ("ll", dict(combine="source"))])
+def test_fused_moe_over_one_emulated_rank_of_the_nvlink_dispatchers(name, options):
+    """FusedMoE with `ht` or `ll` over one emulated rank (a layer's calls cannot run in turn on several)
+    against the dense loop; 0 tokens too. On one GPU where there is one (the compiled kernels)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=16, max_tokens_per_rank=8)
+    weights = make_weights(cfg, 5, device)
+    (group,) = EmulatedGroup.world(1)
+    dispatcher = epmoe.make_dispatcher(name, cfg, group, device=device, **options)
+    moe = build_layer(cfg, weights, group, dispatcher, "reference", device, shared=False)
+    g = torch.Generator().manual_seed(2)
+    for T in (6, 0):
+        x, logits = torch.randn(T, 64, generator=g).to(cfg.dtype), torch.randn(T, 4, generator=g)
+        w, ids = epmoe.route(logits, cfg)
+        out = moe(x.to(device), logits.to(device)).cpu()
+        assert out.shape == (T, 64) and out.dtype == cfg.dtype
+        assert rel_error(out, moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)) <= 2e-2

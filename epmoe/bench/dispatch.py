@@ -53,6 +53,14 @@ NVLINK_GBPS = 478.0
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+def check_nvlink_env() -> None:
+    """SystemExit naming what to set unless the environment (inherited by the spawned ranks) turns NVLink
+    multicast off as NVLINK_ENV says (scripts/gpu_run.sh exports it)."""
+    wrong = [f"{k}={v}" for k, v in NVLINK_ENV.items() if os.environ.get(k) != v]
+    if wrong:
+        raise SystemExit(f"set {' '.join(wrong)} in the environment first (NVLink multicast must be off)")
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="epmoe bench dispatch", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for bench_dispatch.json")
@@ -92,7 +100,7 @@ def random_inputs(T: int, D: int, E: int, K: int, device, seed: int):
 # not the host's launch latency after dispatch's host sync.
 EXPERTS_STAND_IN_CYCLES = 400_000  # ~0.2 ms at H200 clocks
 # Before each timed call the stream spins this long while the host queues the dispatch's launches
-# (~0.4 ms for an ht dispatch on the H200 machine's host, 2026-11-30).
+# (~0.4 ms for an ht dispatch on the H200 machine's host).
 ALIGN_CYCLES = 2_000_000  # ~1 ms
 
 
@@ -141,7 +149,9 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
     queued all_reduce before each call did not prevent it: the hosts' launch times differ). Also
     returns `host`: the host's time to queue a dispatch up to its host sync (ht: dispatch_send; the
     others: the whole dispatch call, sync included)."""
-    ht = getattr(dispatcher, "_early", False)
+    from ..dispatch.ht.schedule import Overlapped
+    schedule = getattr(dispatcher, "_schedule", None)
+    ht = isinstance(schedule, Overlapped)
     ys = []
     for x, ids, w in inputs:  # one expert output per input set, shaped like its batch
         b = dispatcher._dispatch(x, ids, w)
@@ -161,10 +171,10 @@ def time_dispatcher(dispatcher, inputs, warmup: int, iters: int, group=None) -> 
         if ht:
             pending = dispatcher._dispatch_send(x, ids, w)
             host.append(time.perf_counter() - t0)
-            dispatcher._stream_waits_for_rows()
+            schedule.wait_for_rows()
             # where the device waits for the rows: the stream, or the side stream (behind the layout)
-            e1.record(dispatcher._side if dispatcher._side_waits_for_rows else None)
-            layout = dispatcher._layout_ready(pending)
+            e1.record(schedule.rows_stream)
+            layout = schedule.layout_ready(pending)
             e5.record()
             b = dispatcher._expert_batch(pending, layout)
         else:
@@ -275,8 +285,7 @@ def main(argv: list[str]) -> None:
     args = _parse(argv)
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"bench dispatch needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    for key, value in NVLINK_ENV.items():  # NVLink multicast stays off on the benchmark machine
-        os.environ.setdefault(key, value)
+    check_nvlink_env()
     per_rank = spawn(_rank_main, args.ranks, "cuda", (args,))
     rows = sorted((r for rank_rows in per_rank for r in rank_rows), key=lambda r: (r["tokens"], r["precision"], r["rank"]))
     out = Path(args.out)

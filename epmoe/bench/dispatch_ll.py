@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from ..launch import spawn
 from ..quant import dequantize_act_ref
 from ..registry import dispatcher_class, make_dispatcher
 from ..routing import route
-from .dispatch import NVLINK_ENV
+from .dispatch import check_nvlink_env
 
 MODELS = {
     "deepseek-v3": dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048),
@@ -239,8 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--ranks must be 2 to 8, got {args.ranks}")
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"the ll benchmark needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    for key, val in NVLINK_ENV.items():
-        os.environ.setdefault(key, val)  # inherited by the spawned ranks
+    check_nvlink_env()
     per_rank = spawn(_rank_main, nprocs=args.ranks, device="cuda",
                      args=(tuple(args.tokens), args.iters, tuple(args.models)))
     rows = _slowest(per_rank)

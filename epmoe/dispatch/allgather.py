@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F_
 
-from ..interfaces import Dispatcher, ExpertBatch, Layout
+from ..interfaces import DispatchHandle, Dispatcher, ExpertBatch, Layout
 from ._layout import gather_sum, sort_pairs
 
 # torch 2.13 renamed these (same signatures) and warns on the old names; torch 2.11 has only the old ones.
@@ -21,7 +21,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 
 @dataclass(frozen=True)
-class AllGatherHandle:
+class AllGatherHandle(DispatchHandle):
     pos_PK: torch.Tensor  # int32 [R*Tm, K] batch row of each gathered (token, slot), -1 for other ranks' experts
     weights_PK: torch.Tensor  # [R*Tm, K] float32
     num_tokens: int  # T of this rank

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..interfaces import Dispatcher, ExpertBatch, Layout
+from ..interfaces import DispatchHandle, Dispatcher, ExpertBatch, Layout
 from ._layout import gather_sum, sort_pairs
 
 
 @dataclass(frozen=True)
-class AllToAllHandle:
+class AllToAllHandle(DispatchHandle):
     slot_TR: torch.Tensor  # int32 [T, R], row of token t among the rows sent to (and back from) all ranks, -1 none
     send_counts: list[int]  # [R] rows sent to each rank
     recv_counts: list[int]  # [R] rows received from each rank

@@ -7,13 +7,14 @@ each direction is split into a send and a receive so other work can run while ro
 Shape letters: T tokens on this rank, D hidden size, K top-k, E global experts, L local experts,
 R ranks, Tmax = cfg.max_tokens_per_rank, M = R * Tmax rows per expert slot, G = ceil(D / 128).
 
-Buffers (symmetric: the same offsets on every rank, peers reach them through address tables):
+Buffers (symmetric: the same offsets on every rank, peers reach them through address tables,
+epmoe/kernels/sync.py):
     recv_x [L, M, D]        rows for this rank's experts (float8_e4m3fn when cfg.quant == "fp8_block",
                             else cfg.dtype), with recv_scale [L, M, G] float32 for fp8
     cnt [L] int32           rows claimed per local expert in the current dispatch
     idx [R, Tmax, K] int32  for source rank s, token t, slot k: the row l*M + i of recv_x holding it
                             here, or -1 (slot not routed to this rank)
-    wtab [R, Tmax, K] f32   the top-k weights, for combine="reduce"
+    wtab [R, Tmax, K] f32   the top-k weights (combine="reduce" only)
     src_tokens [R] int32    T of each source rank in the current call
     comb                    combine results for this rank's tokens: [Tmax, K, D] per slot ("source")
                             or [Tmax, R, D] one pre-summed row per expert rank ("reduce"), cfg.dtype
@@ -66,16 +67,17 @@ from typing import ClassVar
 import torch
 
 from ..config import MoEConfig
-from ..interfaces import Dispatcher, ExpertBatch, Layout, check_tokens
+from ..interfaces import DispatchHandle, Dispatcher, ExpertBatch, Layout, check_tokens
 from ..kernels import ll as kernels
+from ..kernels.sync import DeviceWait, timeout_ns
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, EmulatedGroup, Workspace, indexed_device, symmetric_world, torch_workspace
+from ..symm import BufferSpec, indexed_device, symmetric_world, workspace_backend
 
 COMBINE_MODES = ("source", "reduce")
 
 
 @dataclass(frozen=True)
-class LLHandle:
+class LLHandle(DispatchHandle):
     """Routing state of one call: what dispatch_recv and combine need. num_tokens: T of this rank."""
 
     num_tokens: int
@@ -126,16 +128,12 @@ class LLDispatcher(Dispatcher):
             raise ValueError(f"dispatcher 'll': {reason}")
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
-        if not wait_timeout_s > 0:
-            raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s!r}")
-        self._timeout_ns = int(wait_timeout_s * 1e9)
+        wait_ns = timeout_ns(wait_timeout_s)
+        backend = workspace_backend(group)
+        if device is not None and not backend.runs_in_turn:
+            raise ValueError("device is set by the current CUDA device for a process group")
         super().__init__(cfg, group)
-        if isinstance(group, EmulatedGroup):
-            self.device = indexed_device("cpu" if device is None else device)
-        else:
-            if device is not None:
-                raise ValueError("device is set by the current CUDA device for a process group")
-            self.device = indexed_device("cuda")
+        self.device = indexed_device(backend.default_device if device is None else device)
         self.combine_mode = combine
         self.reduce = combine == "reduce"
         self.quant = cfg.quant == "fp8_block"
@@ -144,10 +142,10 @@ class LLDispatcher(Dispatcher):
         M = R * Tmax
         specs = [
             BufferSpec("recv_x", (L, M, D), FP8_DTYPE if self.quant else cfg.dtype),
-            BufferSpec("recv_scale", (L, M, num_groups(D)) if self.quant else (1,), torch.float32),
+            *([BufferSpec("recv_scale", (L, M, num_groups(D)), torch.float32)] if self.quant else []),
             BufferSpec("cnt", (L,), torch.int32),
             BufferSpec("idx", (R, Tmax, K), torch.int32),
-            BufferSpec("wtab", (R, Tmax, K) if self.reduce else (1,), torch.float32),
+            *([BufferSpec("wtab", (R, Tmax, K), torch.float32)] if self.reduce else []),
             BufferSpec("src_tokens", (R,), torch.int32),
             BufferSpec("comb", (Tmax, R if self.reduce else K, D), cfg.dtype),
             BufferSpec("signal", (2,), torch.int64),
@@ -156,24 +154,11 @@ class LLDispatcher(Dispatcher):
             BufferSpec("route", (Tmax, K), torch.int32),
             BufferSpec("wloc", (Tmax, K), torch.float32),
         ]
-        if isinstance(group, EmulatedGroup):
-            ws = group.workspace(("ll", cfg, combine), specs, self.device)
-        else:
-            ws = torch_workspace(specs, group, self.device)
-        self._ws = ws
-        self._buffers = self._make_buffers(ws)
+        # emulated ranks of one config and combine mode share their workspaces (as one dispatcher)
+        self._ws = backend.workspace(("ll", cfg, combine), specs, self.device)
+        self._buffers = self._ws.views(kernels.LLBuffers, peers=self._ws.tables(kernels.LLPeers))
+        self._wait = DeviceWait(err_1=self._buffers.error, timeout_ns=wait_ns)
         self._launch = kernels.ll_launch(D, R, Tmax, self.device)
-
-    def _make_buffers(self, ws: Workspace) -> kernels.LLBuffers:
-        def offsets(name: str) -> torch.Tensor:
-            """int64 [R]: element offset from this rank's buffer `name` to each rank's."""
-            peers = ws.peers(name)
-            return (peers - ws.local(name).data_ptr()) // ws.local(name).element_size()
-
-        local = {name: ws.local(name) for name in ws.specs}
-        peer = {f"{name}_dR": offsets(name) for name in
-                ("recv_x", "recv_scale", "idx", "wtab", "cnt", "src_tokens", "comb", "signal")}
-        return kernels.LLBuffers(**local, **peer)
 
     @property
     def rows_per_expert(self) -> int:
@@ -183,7 +168,7 @@ class LLDispatcher(Dispatcher):
     def timed_out(self) -> bool:
         """Whether any device-side wait of this rank gave up (wait_timeout_s without the peers'
         signal: a peer failed, or the ranks' calls do not match). Reads a device flag: a host sync."""
-        return bool(self._buffers.error.item())
+        return self._wait.timed_out()
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -205,8 +190,7 @@ class LLDispatcher(Dispatcher):
             raise ValueError(f"x_TD is on {x_TD.device}, the dispatcher's buffers on {self.device}")
         kernels.dispatch(self._buffers, x_TD.contiguous(), ids_TK.contiguous(), weights_TK.float().contiguous(),
                          rank=self.rank, num_experts=self.cfg.num_experts, quant=self.quant,
-                         reduce=self.reduce, receive=receive, timeout_ns=self._timeout_ns,
-                         launch=self._launch)
+                         reduce=self.reduce, receive=receive, wait=self._wait, launch=self._launch)
         return LLHandle(num_tokens=T)
 
     def dispatch_recv(self, handle: LLHandle) -> ExpertBatch:
@@ -217,12 +201,12 @@ class LLDispatcher(Dispatcher):
         x[l, :counts_L[l]] in no particular order. x and x_scale hold until this call's combine_send,
         counts_L until the next dispatch_recv.
         """
-        kernels.dispatch_recv(self._buffers, timeout_ns=self._timeout_ns, launch=self._launch)
+        kernels.dispatch_recv(self._buffers, wait=self._wait, launch=self._launch)
         return self._batch(handle)
 
     def _batch(self, handle: LLHandle) -> ExpertBatch:
         b = self._buffers
-        return ExpertBatch(layout=Layout.BATCHED, x=b.recv_x, x_scale=b.recv_scale if self.quant else None,
+        return ExpertBatch(layout=Layout.BATCHED, x=b.recv_x, x_scale=b.recv_scale,
                            counts_L=b.counts, offsets_L1=None, handle=handle)
 
     def combine_send(self, y_LMD: torch.Tensor, batch: ExpertBatch) -> LLHandle:
@@ -242,8 +226,7 @@ class LLDispatcher(Dispatcher):
         accumulation; a token with no expert gets zeros.
         """
         out_TD = torch.empty(handle.num_tokens, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
-        kernels.combine_recv(self._buffers, out_TD, reduce=self.reduce, timeout_ns=self._timeout_ns,
-                             launch=self._launch)
+        kernels.combine_recv(self._buffers, out_TD, reduce=self.reduce, wait=self._wait, launch=self._launch)
         return out_TD
 
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:  # inputs already checked by dispatch

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
-from ..interfaces import Dispatcher, ExpertBatch, Layout
+from ..interfaces import DispatchHandle, Dispatcher, ExpertBatch, Layout
 from ..symm import group_rank_world
 from . import _layout
 from ._layout import gather_sum, sort_pairs
 
 
 @dataclass(frozen=True)
-class LocalHandle:
+class LocalHandle(DispatchHandle):
     """pos_TK: int32 [T, K] batch row of each (token, slot), -1 none, BAD_POS for a bad id;
     weights_TK: [T, K] the caller's weights (any float dtype)."""
 

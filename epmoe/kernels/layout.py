@@ -7,7 +7,7 @@ rows (one program each), D hidden size.
 
 Three kernels, work proportional to the pairs, no host sync. The `ht` dispatcher runs the same three
 steps over its receive buffers, behind its own prologue (a wait for the senders' signal), with the
-helpers `block_pairs`, `count_block`, `place_block` and the scan kernel below (epmoe/kernels/ht.py):
+helpers `block_pairs`, `count_block`, `place_block` and the scan kernel below (epmoe/kernels/ht/layout.py):
   count: program b takes BLOCK_S rows x BLOCK_K slots and writes table_BL[b, l] = its pairs of expert l;
   scan:  counts_L, offsets_L1 (their exclusive prefix sum) and start_BL[b, l] = offsets_L1[l] + the pairs
          of expert l in the blocks before b;

@@ -14,6 +14,10 @@ Kernels (the protocol they implement is described in epmoe/dispatch/ll.py):
       rank's combine buffer; then every program signals every rank.
   combine_recv: one program per (token, column chunk); waits for the signals and sums in float32.
 
+Peers' buffers are reached through their address tables (`*_peers`, int64 [R]: `sync.peer_ptr` and
+`sync.peer_base`), the
+waits give up as `sync.spin_until` does (`DeviceWait`: this rank's error flag and time-out).
+
 Signals: signal[slot] (slot 0 dispatch, 1 combine) on every rank only grows. In each call every rank
 adds exactly SIGNAL_UNIT to every rank's signal[slot], split over the programs that signal (program
 0 adds SIGNAL_UNIT - (n - 1), the n - 1 others 1 each, each with release semantics at system scope
@@ -33,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..config import FP8_BLOCK
-from .sync import spin_until
+from .sync import DeviceWait, peer_base, peer_ptr, spin_until
 
 _SIGNAL_UNIT = 1 << 20  # what each rank adds per call to each signal; larger than any grid
 SIGNAL_UNIT = tl.constexpr(_SIGNAL_UNIT)
@@ -89,7 +93,7 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _signal(sig_ptr, sig_dR, slot, rank, R, lin, n):
+def _signal(sig_peers, slot, rank, R, lin, n):
     """Add this program's share of SIGNAL_UNIT (program lin of the n signalling programs) to signal[slot]
     of every rank, release at system scope; returns this rank's signal value right after its add.
 
@@ -98,7 +102,7 @@ def _signal(sig_ptr, sig_dR, slot, rank, R, lin, n):
     weight = tl.where(lin == 0, SIGNAL_UNIT - (n - 1), 1).to(tl.int64)
     seen = weight * 0
     for r in range(R):
-        old = tl.atomic_add(sig_ptr + tl.load(sig_dR + r) + slot, weight, sem="release", scope="sys")
+        old = tl.atomic_add(peer_ptr(sig_peers, r, tl.int64) + slot, weight, sem="release", scope="sys")
         seen = tl.where(r == rank, old + weight, seen)
     return seen
 
@@ -124,9 +128,8 @@ def _take_counts(cnt_ptr, counts_ptr, L, M, BLOCK_L: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _dispatch_kernel(
     x_ptr, ids_ptr, w_ptr, T,
-    recv_x_ptr, recv_x_dR, recv_scale_ptr, recv_scale_dR, idx_ptr, idx_dR, wtab_ptr, wtab_dR,
-    cnt_ptr, cnt_dR, src_tokens_ptr, src_tokens_dR, sig_ptr, sig_dR,
-    route_ptr, wloc_ptr, counts_ptr, err_ptr,
+    recv_x_peers, recv_scale_peers, idx_peers, wtab_peers, cnt_peers, src_tokens_peers, sig_peers,
+    cnt_ptr, sig_ptr, route_ptr, wloc_ptr, counts_ptr, err_ptr,
     rank, R, E, L, M, Tmax, D, K, G, sig_unit, timeout_ns,
     QUANT: tl.constexpr, SEND_WEIGHTS: tl.constexpr, RECEIVE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
@@ -139,7 +142,7 @@ def _dispatch_kernel(
         valid = kmask & (ids >= 0) & (ids < E)
         dest = tl.where(valid, ids // L, 0)
         local = tl.where(valid, ids - dest * L, 0)
-        cnt = cnt_ptr + tl.load(cnt_dR + dest) + local  # the destination's counter of each slot
+        cnt = peer_ptr(cnt_peers, dest, tl.int32) + local  # the destination's counter of each slot
         pos = tl.atomic_add(cnt, 1, mask=valid, sem="relaxed", scope="sys")
         sent = valid & (pos < M)  # pos >= M only if a token repeats an expert; such slots are dropped
         row = tl.where(sent, local.to(tl.int64) * M + pos, 0)
@@ -149,14 +152,15 @@ def _dispatch_kernel(
         for r in range(R):
             entry = (rank * Tmax + pid) * K + ks
             here = sent & (dest == r)
-            tl.store(idx_ptr + tl.load(idx_dR + r) + entry, tl.where(here, row, -1).to(tl.int32), mask=kmask)
+            tl.store(peer_ptr(idx_peers, r, tl.int32) + entry, tl.where(here, row, -1).to(tl.int32), mask=kmask)
             if SEND_WEIGHTS:
-                tl.store(wtab_ptr + tl.load(wtab_dR + r) + entry, w, mask=kmask)
-        # Peer buffers are this rank's buffer plus an element offset; the hint (offsets are multiples
-        # of 256 bytes) lets the row stores vectorize.
-        xdst = recv_x_ptr + tl.multiple_of(tl.load(recv_x_dR + dest), 16)
+                tl.store(peer_ptr(wtab_peers, r, tl.float32) + entry, w, mask=kmask)
+        # (peer_base: the alignment hint lets the row stores vectorize)
         if QUANT:
-            sdst = recv_scale_ptr + tl.multiple_of(tl.load(recv_scale_dR + dest), 16)
+            xdst = peer_base(recv_x_peers, dest, tl.float8e4nv)
+            sdst = peer_base(recv_scale_peers, dest, tl.float32)
+        else:
+            xdst = peer_base(recv_x_peers, dest, x_ptr.dtype.element_ty)
         for c0 in range(0, D, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             cm = cols < D
@@ -180,10 +184,10 @@ def _dispatch_kernel(
                      tl.broadcast_to(q[None, :], (BLOCK_K, CHUNK)), mask=sent[:, None] & cm[None, :])
     if pid == 0:
         for r in range(R):
-            tl.store(src_tokens_ptr + tl.load(src_tokens_dR + r) + rank, T)
+            tl.store(peer_ptr(src_tokens_peers, r, tl.int32) + rank, T)
     tl.debug_barrier()
     nprog = tl.num_programs(0)
-    seen = _signal(sig_ptr, sig_dR, 0, rank, R, pid, nprog)
+    seen = _signal(sig_peers, 0, rank, R, pid, nprog)
     if RECEIVE:
         # The last program waits (under the interpreter, programs run one after another in order, so
         # this rank's other programs have signalled by then; on a GPU any program would do).
@@ -202,7 +206,7 @@ def _dispatch_recv_kernel(sig_ptr, err_ptr, cnt_ptr, counts_ptr, L, M, sig_unit,
 
 @triton.jit
 def _combine_send_kernel(
-    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_ptr, comb_dR, sig_ptr, sig_dR,
+    y_ptr, idx_ptr, wtab_ptr, src_tokens_ptr, comb_peers, sig_peers,
     rank, R, Tmax, D, K,
     REDUCE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -224,7 +228,7 @@ def _combine_send_kernel(
             idx = tl.load(idx_ptr + (s * Tmax + t) * K + ks, mask=kmask, other=-1, cache_modifier=".cg")
             valid = idx >= 0
             if tl.max(valid.to(tl.int32), axis=0) > 0:
-                comb = comb_ptr + tl.multiple_of(tl.load(comb_dR + s), 16)
+                comb = peer_base(comb_peers, s, y_ptr.dtype.element_ty)
                 m2 = valid[:, None] & cm[None, :]
                 tile = tl.load(y_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=m2, other=0.0)
                 if REDUCE:
@@ -236,7 +240,7 @@ def _combine_send_kernel(
     tl.debug_barrier()
     # Every program signals, idle ones too: a peer may rewrite src_tokens, idx and wtab (its next
     # dispatch) once this call's signal is complete, so no program may still be about to read them.
-    _signal(sig_ptr, sig_dR, 1, rank, R, pid * nchunk + c, nprog * nchunk)
+    _signal(sig_peers, 1, rank, R, pid * nchunk + c, nprog * nchunk)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -272,23 +276,36 @@ def _combine_recv_kernel(
 
 
 @dataclass(frozen=True)
-class LLBuffers:
-    """One rank's `ll` buffers: local tensors, and for the peer-written ones an int64 [R] table
-    (`*_dR`) of element offsets from this rank's buffer to each rank's (peer address - own address,
-    divided by the element size; 0 for this rank).
+class LLPeers:
+    """int64 [R] address tables of the buffers peers write (each rank's address of the LLBuffers field
+    of the same name; None where that buffer is)."""
 
-    recv_x [L, M, D] (float8_e4m3fn or cfg.dtype) and recv_scale [L, M, G] float32 (a [1] stand-in
-    without fp8); cnt [L] int32; idx [R, Tmax, K] int32; wtab [R, Tmax, K] float32 (a [1] stand-in for
-    combine="source"); src_tokens [R] int32; comb [Tmax, K, D] ("source") or [Tmax, R, D] ("reduce"),
-    cfg.dtype; signal [2] int64 (monotone). This rank's own: error [1] int32 (a wait gave up),
-    counts [L] int32, route [Tmax, K] int32, wloc [Tmax, K] float32.
+    recv_x: torch.Tensor
+    recv_scale: torch.Tensor | None
+    idx: torch.Tensor
+    wtab: torch.Tensor | None
+    cnt: torch.Tensor
+    src_tokens: torch.Tensor
+    comb: torch.Tensor
+    signal: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LLBuffers:
+    """One rank's `ll` buffers (views of its workspace) and the address tables of the peer-written ones.
+
+    recv_x [L, M, D] (float8_e4m3fn or cfg.dtype) and recv_scale [L, M, G] float32 (None without fp8);
+    cnt [L] int32; idx [R, Tmax, K] int32; wtab [R, Tmax, K] float32 (None for combine="source");
+    src_tokens [R] int32; comb [Tmax, K, D] ("source") or [Tmax, R, D] ("reduce"), cfg.dtype; signal [2]
+    int64 (monotone). This rank's own: error [1] int32 (a wait gave up), counts [L] int32, route
+    [Tmax, K] int32, wloc [Tmax, K] float32.
     """
 
     recv_x: torch.Tensor
-    recv_scale: torch.Tensor
+    recv_scale: torch.Tensor | None
     cnt: torch.Tensor
     idx: torch.Tensor
-    wtab: torch.Tensor
+    wtab: torch.Tensor | None
     src_tokens: torch.Tensor
     comb: torch.Tensor
     signal: torch.Tensor
@@ -296,14 +313,7 @@ class LLBuffers:
     counts: torch.Tensor
     route: torch.Tensor
     wloc: torch.Tensor
-    recv_x_dR: torch.Tensor
-    recv_scale_dR: torch.Tensor
-    idx_dR: torch.Tensor
-    wtab_dR: torch.Tensor
-    cnt_dR: torch.Tensor
-    src_tokens_dR: torch.Tensor
-    comb_dR: torch.Tensor
-    signal_dR: torch.Tensor
+    peers: LLPeers
 
 
 def _block_l(b: LLBuffers) -> int:
@@ -311,29 +321,29 @@ def _block_l(b: LLBuffers) -> int:
 
 
 def dispatch(b: LLBuffers, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, *, rank: int,
-             num_experts: int, quant: bool, reduce: bool, receive: bool, timeout_ns: int,
+             num_experts: int, quant: bool, reduce: bool, receive: bool, wait: DeviceWait,
              launch: LLLaunch) -> None:
     """Launch the dispatch stores of T tokens (grid max(T, 1): a rank with 0 tokens still signals);
     with `receive`, the kernel's last program also waits for every rank and fills b.counts."""
     T, D = x_TD.shape
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
     R, Tmax, K = b.idx.shape
+    p = b.peers
     _dispatch_kernel[(max(T, 1),)](
         x_TD, ids_TK, w_TK, T,
-        b.recv_x, b.recv_x_dR, b.recv_scale, b.recv_scale_dR, b.idx, b.idx_dR, b.wtab, b.wtab_dR,
-        b.cnt, b.cnt_dR, b.src_tokens, b.src_tokens_dR, b.signal, b.signal_dR,
-        b.route, b.wloc, b.counts, b.error,
-        rank, R, num_experts, L, M, Tmax, D, K, triton.cdiv(D, FP8_BLOCK), R * _SIGNAL_UNIT, timeout_ns,
+        p.recv_x, p.recv_scale, p.idx, p.wtab, p.cnt, p.src_tokens, p.signal,
+        b.cnt, b.signal, b.route, b.wloc, b.counts, wait.err_1,
+        rank, R, num_experts, L, M, Tmax, D, K, triton.cdiv(D, FP8_BLOCK), R * _SIGNAL_UNIT, wait.timeout_ns,
         QUANT=quant, SEND_WEIGHTS=reduce, RECEIVE=receive, INTERPRET=launch.interpret,
         BLOCK_K=triton.next_power_of_2(K), BLOCK_L=_block_l(b), CHUNK=launch.send_chunk,
         num_warps=launch.send_warps)
 
 
-def dispatch_recv(b: LLBuffers, *, timeout_ns: int, launch: LLLaunch) -> None:
+def dispatch_recv(b: LLBuffers, *, wait: DeviceWait, launch: LLLaunch) -> None:
     """Launch the wait for every rank's dispatch signal; then b.counts holds this call's counts_L."""
     L, M = b.recv_x.shape[0], b.recv_x.shape[1]
     R = b.idx.shape[0]
-    _dispatch_recv_kernel[(1,)](b.signal, b.error, b.cnt, b.counts, L, M, R * _SIGNAL_UNIT, timeout_ns,
+    _dispatch_recv_kernel[(1,)](b.signal, wait.err_1, b.cnt, b.counts, L, M, R * _SIGNAL_UNIT, wait.timeout_ns,
                                 INTERPRET=launch.interpret, BLOCK_L=_block_l(b), num_warps=4)
 
 
@@ -343,19 +353,19 @@ def combine_send(b: LLBuffers, y_LMD: torch.Tensor, *, rank: int, reduce: bool, 
     D = y_LMD.shape[-1]
     grid = (launch.combine_programs, triton.cdiv(D, launch.comb_chunk))
     _combine_send_kernel[grid](
-        y_LMD, b.idx, b.wtab, b.src_tokens, b.comb, b.comb_dR, b.signal, b.signal_dR,
+        y_LMD, b.idx, b.wtab, b.src_tokens, b.peers.comb, b.peers.signal,
         rank, R, Tmax, D, K,
         REDUCE=reduce, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
         CHUNK=launch.comb_chunk, num_warps=launch.comb_warps)
 
 
-def combine_recv(b: LLBuffers, out_TD: torch.Tensor, *, reduce: bool, timeout_ns: int, launch: LLLaunch) -> None:
+def combine_recv(b: LLBuffers, out_TD: torch.Tensor, *, reduce: bool, wait: DeviceWait, launch: LLLaunch) -> None:
     """Launch the wait for every rank's combine signal and the weighted sum into out_TD [T, D]."""
     T, D = out_TD.shape
     R, _, K = b.idx.shape
     grid = (max(T, 1), triton.cdiv(D, launch.comb_chunk))
     _combine_recv_kernel[grid](
-        b.comb, b.route, b.wloc, out_TD, T, b.signal, b.error,
-        R, K, D, R * _SIGNAL_UNIT, timeout_ns,
+        b.comb, b.route, b.wloc, out_TD, T, b.signal, wait.err_1,
+        R, K, D, R * _SIGNAL_UNIT, wait.timeout_ns,
         REDUCE=reduce, INTERPRET=launch.interpret, BLOCK_K=triton.next_power_of_2(K),
         BLOCK_R=triton.next_power_of_2(R), CHUNK=launch.comb_chunk, num_warps=launch.comb_warps)
