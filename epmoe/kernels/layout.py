@@ -38,7 +38,7 @@ BLOCK_PAIRS = 128
 # scan: experts per program, blocks per step of the start pass, table elements per step of the sum
 SCAN_EXPERTS = 8
 SCAN_BLOCKS = 512
-SCAN_SUM_STEP = 16384
+SCAN_SUM_STEP = 8192
 
 
 def scan_warps(num_local_experts: int) -> int:
