@@ -49,7 +49,7 @@ from ..launch import RankContext, spawn
 from ..quant import num_groups
 
 NVLINK_GBPS = 478.0
-# NVLink multicast off: the benchmark machines do not support it (../shared/GPU.md)
+# NVLink multicast off: the benchmark machines do not support it (BENCHMARKS.md, machines)
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
