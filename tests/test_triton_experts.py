@@ -599,6 +599,47 @@ def test_tuner_check_passes_good_configs_and_records_failures():
     hung = experts_tune.run_checks([[task]], workers=1, budget_s=0.0)
     assert [e["ok"] for e in hung[0][0]] == [False, False] and "no result" in hung[0][0][0]["error"]
 
+def test_tuner_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
+    """`--tune` from checks to configs.json, at a tiny shape: the checks in a worker process (on the
+    interpreter without a GPU; a warp-specialized candidate there runs its pointer variant), the timing
+    (here a stand-in clock), the table."""
+    from types import SimpleNamespace
+
+    from epmoe.bench import experts as bench
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run of --tune times the real kernels")
+    monkeypatch.setitem(bench.SHAPES, "tiny", (128, 128, 3))
+    monkeypatch.setattr(experts_tune, "POINTS", {b: (("tiny", 16),) for b in experts_tune.BUCKETS})
+    monkeypatch.setattr(experts_tune, "INDEXED_POINTS", {b: (("tiny", 16),) for b in experts_tune.BUCKETS})
+    monkeypatch.setattr(experts_tune, "WS_CANDIDATES", {k: v[:1] for k, v in experts_tune.WS_CANDIDATES.items()})
+    monkeypatch.setattr(experts_tune, "POINTER_CANDIDATES", {k: () for k in experts_tune.POINTER_CANDIDATES})
+    monkeypatch.setattr(experts_tune, "INDEXED_CANDIDATES", {k: v[:1] for k, v in experts_tune.INDEXED_CANDIDATES.items()})
+    sweeps = [s for s in experts_tune._sweeps() if s[:3] in {("gate_up", False, False), ("gate_up", True, True),
+                                                              ("down", True, False)}]
+    monkeypatch.setattr(experts_tune, "_sweeps", lambda: sweeps)
+    clock = iter(range(1, 10 ** 6))
+
+    def fake_time(fn, rep_ms):  # later is slower: at each point the committed entry (timed first) wins
+        fn()  # the launch must run
+        return float(next(clock))
+    monkeypatch.setattr(experts_tune, "_time_ms", fake_time)
+    args = SimpleNamespace(out=str(tmp_path), workers=2, check_s=600.0, stall_s=600.0, max_rows=1 << 20, rep_ms=1)
+    result = experts_tune.run_tune(args, DEVICE)
+    assert result["checks"] and all(c["ok"] for c in result["checks"]), [c for c in result["checks"] if not c["ok"]]
+    assert {(p["op"], p["prec"], p["indexed"]) for p in result["points"]} == {
+        ("gate_up", "bf16", False), ("gate_up", "fp8", True), ("down", "fp8", False)}
+    for p in result["points"]:  # every candidate timed; the committed entry first
+        assert [e["config"] for e in p["entries"]] == [c.to_dict() for c in experts_tune.candidates(
+            p["op"], p["prec"] == "fp8", p["bucket"], p["indexed"])]
+        assert all("ms" in e for e in p["entries"])
+    written = configs._table(tmp_path / "configs.json")
+    first = {(p["op"], p["prec"] == "fp8", p["indexed"], p["bucket"]): GemmConfig(**p["entries"][0]["config"])
+             for p in result["points"]}
+    for (op, fp8, indexed, bound), cfg in first.items():
+        assert dict(written[configs.table_key(op, fp8, indexed)])[bound] == cfg
+    for key in ("down_bf16", "gate_up_fp8"):  # not swept: as committed
+        assert written[key] == configs._table()[key]
+
 def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
     """The tuner's table from synthetic times: per (GEMM, precision, bucket) the candidate whose time over
     the point's best, summed over the bucket's points, is smallest (one that is fastest at one point but
@@ -692,7 +733,7 @@ def test_bench_floor_and_table_format(tmp_path):
     assert floor.ms == pytest.approx(floor.bytes / (bench.COPY_TBPS * 1e12) * 1e3)  # decode: bytes bound
     big = bench.mlp_floor(R=131072, L=128, D=7168, F=2048, fp8=True)
     assert big.ms == pytest.approx(big.flops / (bench.PEAK_FP8_TFLOPS * 1e12) * 1e3)  # flops bound
-    text = experts_tune.format_table({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
+    text = experts_tune.format_configs_json({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
                                                                  for key, buckets in configs._table().items()}})
     path = tmp_path / "configs.json"
     path.write_text(text)

@@ -9,8 +9,8 @@ the committed entry first) is
 1. checked: run on the GPU at the bucket's model shapes with 16 experts (8 for Mixtral) and skewed row
    counts (empty experts, partial tiles) against the float32 torch reference (`gate_up_ref` /
    `down_ref`; fp8 h against the reference re-quantized as the kernel does); these runs, which also
-   compile every kernel, go to --workers processes at once, each given --check-s seconds: a
-   candidate that fails, errs or hangs there is recorded and never timed;
+   compile every kernel, go to --workers processes at once, within --check-s seconds in all: a
+   candidate that fails, errs, faults or hangs there is recorded and never timed;
 2. timed at each of the bucket's points (`POINTS`: shape and t, exactly t rows per expert, x already
    quantized for fp8), median of do_bench repeats with L2 flushed, beside torch._grouped_mm and a dense
    cuBLAS matmul of the same total size (bf16), or a dense torch._scaled_mm (fp8, one scale per tensor).
@@ -19,7 +19,8 @@ through a row index (`_indexed` entries, the pointer kernel only) are swept the 
 `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode, weight-bandwidth bound, at their floor) keep the
 committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
 OUT/experts_tune.json (every check and time, after each point), and prints a table per point last.
-A stalled point (a kernel that never returns) ends the run after --stall-s seconds, its JSON kept.
+A stalled point (a kernel that never returns) ends the run after --stall-s seconds (exit code 3), with
+the JSON and a configs.json from the points timed so far.
 
 `--table-from OUT/experts_tune.json` writes configs.json from an earlier run's times without a GPU.
 """
@@ -42,7 +43,7 @@ from ..kernels import configs as configs_mod
 from ..kernels.configs import GemmConfig
 from ..kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref
 from ..kernels.quant import quantize_act
-from ..quant import FP8_DTYPE, dequantize_act_ref, quantize_act_ref
+from ..quant import dequantize_act_ref, quantize_act_ref
 
 BUCKETS = (128, 256, 1_000_000_000)  # the table's bounds tuned here (rows per expert)
 # (shape, t) points each bucket is tuned on; shapes as in epmoe.bench.experts.SHAPES.
@@ -54,6 +55,7 @@ POINTS = {
 INDEXED_POINTS = {128: (("dsv3-128", 128),), 256: (("qwen3-30b", 256),), 1_000_000_000: (("dsv3-128", 1024),)}
 TOP_K = 8  # an indexed gate-up reads R rows from S = R / TOP_K source rows
 CHECK_EXPERTS = 16
+
 
 def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) -> GemmConfig:
     return GemmConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=8 if schedule == "cooperative" else 4,
@@ -202,14 +204,16 @@ def _check_task(task: dict) -> list[dict]:
 def run_checks(waves: list[list[dict]], workers: int, budget_s: float) -> list[list[list[dict]]]:
     """_check_task over worker processes, wave after wave (the first wave compiles every kernel once,
     one config a task, so that the later waves find them compiled), each task in a fresh process (a
-    kernel that faults takes no other task's CUDA context with it); tasks not done within budget_s in
-    all are reported as not finished (a hang, or too slow)."""
+    kernel that faults takes no other task's CUDA context with it). Each wave gets its share of budget_s
+    (by task count); its tasks not done by then are reported as not finished (a hang, or too slow) and
+    the next wave starts on the processes that are free."""
     results = [[None] * len(wave) for wave in waves]
     ctx = multiprocessing.get_context("spawn")
     pool = ctx.Pool(processes=max(1, workers), maxtasksperchild=1)
-    deadline = time.monotonic() + budget_s
+    total = max(1, sum(len(wave) for wave in waves))
     try:
         for w, wave in enumerate(waves):
+            deadline = time.monotonic() + budget_s * len(wave) / total
             pending = {i: pool.apply_async(_check_task, (task, )) for i, task in enumerate(wave)}
             while pending and time.monotonic() < deadline:
                 for i in [i for i, r in pending.items() if r.ready()]:
@@ -220,7 +224,7 @@ def run_checks(waves: list[list[dict]], workers: int, budget_s: float) -> list[l
                                          for c in wave[i]["configs"]]
                 time.sleep(0.2)
             for i in pending:
-                results[w][i] = [{"config": c, "ok": False, "error": f"no result within {budget_s:.0f} s (hang?)"}
+                results[w][i] = [{"config": c, "ok": False, "error": "no result in its wave's time (hang?)"}
                                  for c in wave[i]["configs"]]
     finally:
         pool.terminate()
@@ -355,7 +359,7 @@ def build_table(points: list[dict], comment: str) -> dict:
     return {"comment": comment, "tables": tables}
 
 
-def format_table(table: dict) -> str:
+def format_configs_json(table: dict) -> str:
     """configs.json text: one bucket per line, like the committed table."""
     keys = [f'    "{key}": [\n' + ",\n".join(f"      {json.dumps(bucket)}" for bucket in buckets) + "\n    ]"
             for key, buckets in table["tables"].items()]
@@ -410,8 +414,12 @@ def run_tune(args, dev: torch.device) -> dict:
     result = {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
               "checks": [], "points": []}
 
-    def save() -> None:
+    def save(table: bool = False) -> None:
         result["seconds"] = time.perf_counter() - t_start
+        if table:
+            result["table"] = build_table(result["points"], _comment(result))
+            if args.out:
+                (out_dir / "configs.json").write_text(format_configs_json(result["table"]))
         (out_dir / "experts_tune.json").write_text(json.dumps(result, indent=1) + "\n")
 
     # 1. Check (and compile) every candidate at every shape, in worker processes: first each candidate at
@@ -419,7 +427,8 @@ def run_tune(args, dev: torch.device) -> dict:
     tasks = {}
     for op, fp8, indexed, bound, shape, _ in sweeps:
         task = tasks.setdefault((shape, op, fp8, indexed), {"shape": shape, "dims": _shape(shape), "op": op,
-                                                            "fp8": fp8, "indexed": indexed, "configs": []})
+                                                            "fp8": fp8, "indexed": indexed, "configs": [],
+                                                            "device": str(dev)})
         for cfg in candidates(op, fp8, bound, indexed):
             if cfg.to_dict() not in task["configs"]:
                 task["configs"].append(cfg.to_dict())
@@ -450,7 +459,7 @@ def run_tune(args, dev: torch.device) -> dict:
     save()
 
     # 2. Time the candidates that passed, shape by shape (the weights made once per shape).
-    watchdog = _Watchdog(args.stall_s, save)
+    watchdog = _Watchdog(args.stall_s, lambda: save(table=True))  # the table from the points so far
     for shape in dict.fromkeys(s for *_, s, _ in sweeps):
         D, F, L = _shape(shape)
         L_run = min(L, args.max_rows // min(t for *_, s, t in sweeps if s == shape))
@@ -473,11 +482,7 @@ def run_tune(args, dev: torch.device) -> dict:
         torch.cuda.empty_cache()
         print(f"# {shape} timed at {time.perf_counter() - t_start:.0f} s", flush=True)
     watchdog.beat("done")
-    table = build_table(result["points"], _comment(result))
-    result["table"] = table
-    save()
-    if args.out:
-        (out_dir / "configs.json").write_text(format_table(table))
+    save(table=True)
     print_points(result["points"])
     return result
 
@@ -494,7 +499,7 @@ def table_from(path: str, out: str | None) -> dict:
     """configs.json from an earlier run's experts_tune.json (no GPU needed)."""
     result = json.loads(Path(path).read_text())
     table = build_table(result["points"], _comment(result))
-    text = format_table(table)
+    text = format_configs_json(table)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "configs.json").write_text(text)
