@@ -326,6 +326,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     if R == 0 or N == 0 or L == 0 or max_tiles_m == 0:
         return
     fp8 = w.dtype == FP8_DTYPE
+    a_scale = None if a_scale is None else a_scale.contiguous()
+    w_scale = w_scale.contiguous() if fp8 else None
     if _warp_specialized(cfg, a, w, out, rows, gate_up=gate_up, gathered=a_rows is not None):
         grouped_gemm_ws.launch(a, a_scale, w, w_scale, rows.index_L, rows.batched, rows.slot_rows, out, out_scale,
                                row_scale, gate_up=gate_up, cfg=cfg,
@@ -340,8 +342,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if tma_b else None
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
-        a, a_desc, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
-        w, b_desc, w_scale.contiguous() if fp8 else dummy, out,
+        a, a_desc, dummy if a_scale is None else a_scale, dummy if a_rows is None else a_rows,
+        w, b_desc, w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
         rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
