@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tune", action="store_true", help="tune launch configs and write configs.json "
                    "(epmoe/bench/experts_tune.py)")
     p.add_argument("--workers", type=int, default=8, help="--tune: processes checking (and compiling) candidates")
-    p.add_argument("--check-s", type=float, default=150.0, help="--tune: time allowed for all the checks")
+    p.add_argument("--check-s", type=float, default=200.0, help="--tune: time allowed for all the checks")
     p.add_argument("--stall-s", type=float, default=60.0, help="--tune: end the run when one point takes this long")
     p.add_argument("--table-from", help="write configs.json from this experts_tune.json (no GPU needed)")
     args = p.parse_args(argv)

@@ -204,16 +204,19 @@ def _check_task(task: dict) -> list[dict]:
 def run_checks(waves: list[list[dict]], workers: int, budget_s: float) -> list[list[list[dict]]]:
     """_check_task over worker processes, wave after wave (the first wave compiles every kernel once,
     one config a task, so that the later waves find them compiled), each task in a fresh process (a
-    kernel that faults takes no other task's CUDA context with it). Each wave gets its share of budget_s
-    (by task count); its tasks not done by then are reported as not finished (a hang, or too slow) and
-    the next wave starts on the processes that are free."""
+    kernel that faults takes no other task's CUDA context with it). A wave ends when the waves up to it
+    have had their share of budget_s (by task count, so that time a wave leaves goes to the next); its
+    tasks not done by then are reported as not finished (a hang, or too slow), and the next wave starts
+    on the processes that are free."""
     results = [[None] * len(wave) for wave in waves]
     ctx = multiprocessing.get_context("spawn")
     pool = ctx.Pool(processes=max(1, workers), maxtasksperchild=1)
     total = max(1, sum(len(wave) for wave in waves))
+    start, done = time.monotonic(), 0
     try:
         for w, wave in enumerate(waves):
-            deadline = time.monotonic() + budget_s * len(wave) / total
+            done += len(wave)
+            deadline = start + budget_s * done / total
             pending = {i: pool.apply_async(_check_task, (task, )) for i, task in enumerate(wave)}
             while pending and time.monotonic() < deadline:
                 for i in [i for i, r in pending.items() if r.ready()]:
@@ -440,6 +443,7 @@ def run_tune(args, dev: torch.device) -> dict:
         first += [{**task, "configs": [c]} for c in fresh]
         if len(fresh) < len(task["configs"]):
             rest.append({**task, "configs": [c for c in task["configs"] if c not in fresh]})
+    rest.sort(key=lambda task: -task["dims"][1] * task["dims"][0])  # the largest shapes (and compiles) first
     checked = run_checks([first, rest], args.workers, args.check_s)
     passed = set()
     for wave, wave_results in zip((first, rest), checked):

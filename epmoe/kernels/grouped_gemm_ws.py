@@ -388,7 +388,8 @@ def _ws_consume(ring, args, CONSUMER: gl.constexpr, META: gl.constexpr):
             gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@gluon.jit
+# Sizes that do not shape the code are not specialized on (one binary serves every expert count).
+@gluon.jit(do_not_specialize=["L", "SLOT_ROWS", "R", "stride_bsl", "stride_bsn", "G_A", "G_C"])
 def _ws_gemm_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
                     L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C, META: gl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (gate-up: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of
