@@ -95,15 +95,10 @@ INDEXED_CANDIDATES = {
 }
 
 
-def committed(op: str, fp8: bool, bound: int, indexed: bool = False) -> GemmConfig:
-    """The committed table's config for rows-per-expert bound `bound`."""
-    return configs_mod.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, indexed=indexed)
-
-
 def candidates(op: str, fp8: bool, bound: int, indexed: bool = False) -> list[GemmConfig]:
-    """The committed entry first, then the others (no duplicates)."""
+    """The committed table's entry for rows-per-expert bound `bound` first, then the others."""
     pool = INDEXED_CANDIDATES[fp8] if indexed else WS_CANDIDATES[(op, fp8)] + POINTER_CANDIDATES[(op, fp8)]
-    out = [committed(op, fp8, bound, indexed)]
+    out = [configs_mod.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, indexed=indexed)]
     return out + [c for c in pool if c not in out]
 
 
@@ -148,10 +143,6 @@ def _run(op: str, a, a_s, w, w_s, rows: ExpertRows, cfg: GemmConfig, x_rows=None
     return down(a, w, rows, h_scale_RG=a_s, w2_scale=w_s, out_dtype=torch.bfloat16, config=cfg), None
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 # ---------------------------------------------------------------------------------------------------
 # Checks (worker processes)
 
@@ -192,7 +183,7 @@ def _check_task(task: dict) -> list[dict]:
         try:
             got, got_s = _run(op, a, a_s, w, w_s, rows, cfg, x_rows)
             got = dequantize_act_ref(got, got_s) if got_s is not None else got.float()
-            entry["rel_err"] = _rel_err(got[mask], ref[mask])
+            entry["rel_err"] = ((got[mask] - ref[mask]).norm() / ref[mask].norm().clamp_min(1e-30)).item()
             entry["ok"] = entry["rel_err"] < 1e-2
         except Exception as exc:  # a compile or launch failure is recorded, the sweep goes on
             entry.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
@@ -371,21 +362,22 @@ def format_configs_json(table: dict) -> str:
 
 
 def print_points(points: list[dict]) -> None:
-    """One line per (point, GEMM, precision): the committed entry, the best candidate, the baselines."""
-    print(f"{'shape':>12} {'t':>5} {'op':>7} {'prec':>4} {'table TF':>8} {'best TF':>8} {'gmm TF':>7} "
+    """One line per (point, GEMM, precision): TFLOP/s of the committed entry, of the best candidate and of
+    the baselines (dense: cuBLAS bf16, or _scaled_mm for fp8), the best's ratios to them, its config."""
+    print(f"{'shape':>12} {'t':>5} {'op':>7} {'prec':>7} {'table TF':>8} {'best TF':>8} {'gmm TF':>7} "
           f"{'dense TF':>8} {'best/gmm':>8} {'best/dense':>10}  best")
     for p in points:
         ok = [e for e in p["entries"] if "ms" in e]
         if not ok:
             continue
         best = min(ok, key=lambda e: e["ms"])
-        table = p["entries"][0].get("tflops")
+        table = next((e["tflops"] for e in ok if e["config"] == p.get("committed")), None)
         base = p.get("baselines_ms", {})
         tf = {k: p["flops"] / v / 1e9 for k, v in base.items() if isinstance(v, float)}
         dense = tf.get("dense", tf.get("dense_fp8"))
         gmm = tf.get("gmm")
         prec = p["prec"] + ("/ix" if p["indexed"] else "")
-        print(f"{p['shape']:>12} {p['t']:>5} {p['op']:>7} {prec:>4} {_f(table):>8} {_f(best['tflops']):>8} "
+        print(f"{p['shape']:>12} {p['t']:>5} {p['op']:>7} {prec:>7} {_f(table):>8} {_f(best['tflops']):>8} "
               f"{_f(gmm):>7} {_f(dense):>8} {_f(gmm and best['tflops'] / gmm, '.2f'):>8} "
               f"{_f(dense and best['tflops'] / dense, '.2f'):>10}  {best['name']}")
 
@@ -479,7 +471,7 @@ def run_tune(args, dev: torch.device) -> dict:
             configs = [c for c in candidates(op, fp8, bound, indexed)
                        if (shape, op, fp8, indexed, json.dumps(c.to_dict(), sort_keys=True)) in passed]
             point = time_point(op, fp8, shape, t, configs, w_t, args.rep_ms, indexed, watchdog)
-            point["bucket"] = bound
+            point.update(bucket=bound, committed=candidates(op, fp8, bound, indexed)[0].to_dict())
             result["points"].append(point)
             save()
         del weights, w_t

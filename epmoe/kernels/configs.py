@@ -33,8 +33,8 @@ class GemmConfig:
     group_m is the number of row tiles that share a pass over the column tiles (L2 reuse); tma: load
     tiles through TMA descriptors (Hopper and later; rows read through a batch's row index still use
     pointer loads).
-    warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (a TMA
-    loader warp, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
+    warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (TMA
+    loader warps, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
     ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index, fp32, other
     GPUs, the interpreter) run `pointer_variant()`. None: the pointer kernel. pipe_mma (fp8, warp
     specialized): two K blocks' wgmma in flight, the first promoted while the second runs.
