@@ -328,7 +328,7 @@ def choose(points: list[dict]) -> dict:
         names = set(scores) | set(times)
         for name in names:  # slowdown against the point's best, summed; a config missing at a point loses
             scores[name] = scores.get(name, 0.0) + times.get(name, math.inf) / best
-    return {k: min(((json.loads(c), s) for c, s in scores.items()), key=lambda cs: cs[1])
+    return {k: min(((GemmConfig(**json.loads(c)).to_dict(), s) for c, s in scores.items()), key=lambda cs: cs[1])
             for k, scores in by_key.items()}
 
 
