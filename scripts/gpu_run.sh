@@ -8,7 +8,8 @@
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one)
-# (gemm: scripts/gemm_probe.py, the launch-config probe behind the large-M table entries) (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
+# profile). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -68,7 +69,7 @@ stage moe      "${EPMOE[@]}" bench moe --out "$OUT"
 stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
-stage gemm     "${LIMIT[@]}" "$PY" scripts/gemm_probe.py --out "$OUT"
+stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
 
 {

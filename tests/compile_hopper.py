@@ -1,16 +1,17 @@
-"""Compile the expert kernels for sm_90 with the table's launch configs, without a GPU (ptxas ships with
-triton); fails on compiler front-end errors and on register spills. Run by test_triton_experts.py in a
-process without TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be driven this way (skip)."""
+"""Compile the expert kernels for sm_90 without a GPU (ptxas ships with triton): the pointer kernel with
+every table entry's launch config, and the warp-specialized Gluon kernel with the table's entries and the
+tuner's candidates. Fails on compiler front-end errors, register spills, shared memory past the limit
+and (warp-specialized kernel) wgmma that ptxas serializes. Run by test_triton_experts.py in a process
+without TRITON_INTERPRET; the compiles run in parallel processes. Exit 3 = this Triton's compiler cannot
+be driven this way (skip)."""
+import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import triton
-
-from epmoe.kernels import configs
-from epmoe.kernels.grouped_gemm import _grouped_gemm_kernel
-from epmoe.kernels.quant import _quantize_act_kernel
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -23,12 +24,12 @@ SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages, maxnreg=None):
+def compile_hopper(fn, signature, constexprs, aligned, num_warps, num_stages, maxnreg=None, source=ASTSource):
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     names = fn.arg_names  # attributes are keyed by the kernel's parameter positions
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
-        src = ASTSource(fn, sig, constexprs, attrs)
+        src = source(fn, sig, constexprs, attrs)
     except TypeError as exc:
         print(f"ASTSource signature differs: {exc}")
         sys.exit(3)
@@ -58,47 +59,149 @@ def registers(kernel) -> int:
     return _resource_usage(kernel, "REG")
 
 
-def main() -> None:
+def wgmma_serialized(kernel) -> bool:
+    """Whether ptxas serializes the kernel's wgmma (its info C7514), from `ptxas -v` on the kernel's PTX
+    with the ptxas this Triton uses for sm_90."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True).stderr
+    return "C7514" in log
+
+
+def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool):
+    """The pointer kernel as the launcher runs it for rows-per-expert bucket `bound`: batched up to 64
+    rows, contiguous above (gate-up: through a row index, with the `_indexed` entry); a warp-specialized
+    entry's `pointer_variant` (which serves fp32 and rows read through an index)."""
+    from epmoe.kernels import configs
+    from epmoe.kernels.grouped_gemm import _grouped_gemm_kernel
+    fp8 = dtype == "fp8e4nv"
+    gate = op == "gate_up"
+    gather = gate and bound > 64
+    element_size = 4 if dtype == "fp32" else 2
+    cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, element_size=element_size,
+                              indexed=gather).pointer_variant(1 if fp8 else element_size)
+    quant_out = gate and fp8 and cfg.block_n == 128
+    a = "*bf16" if quant_a else f"*{dtype}"
+    c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
+    signature = dict(
+        a_ptr=a, a_scale_ptr="*fp32", a_rows_ptr="*i32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c,
+        c_scale_ptr="*fp32", row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32",
+        K="i32", stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
+    if cfg.tma:  # TMA descriptors for B, and for A unless A is read through a row index
+        signature["b_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {cfg.block_k}]>"
+        if not gather:
+            signature["a_desc"] = f"tensordesc<{a[1:]}[{cfg.block_m}, {cfg.block_k}]>"
+    descriptors = {name: None for name in ("a_desc", "b_desc") if name not in signature}
+    constexprs = dict(
+        descriptors, TMA_A="a_desc" in signature, TMA_B="b_desc" in signature,
+        BATCHED=bound <= 64, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
+        TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
+        EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SCALE_GROUP=128)
+    kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
+                            ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"], cfg.num_warps, cfg.num_stages)
+    return kernel, cfg
+
+
+def _ws_kernel(op: str, fp8: bool, cfg):
+    """The warp-specialized kernel for one launch config as the launcher runs it (fp8 gate-up: h quantized
+    in the epilogue for 128-column tiles, else float32 h), with the most expert lanes its tile map takes
+    (the most registers)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from epmoe.kernels import grouped_gemm_ws as ws
+    dt, gdt = ("fp8e4nv", gl.float8e4nv) if fp8 else ("bf16", gl.bfloat16)
+    gate = op == "gate_up"
+    quant_out = gate and fp8 and cfg.block_n == 128
+    c = "*fp8e4nv" if quant_out else ("*fp32" if gate and fp8 else "*bf16")
+    a_block, b_block = [cfg.block_m, cfg.block_k], [cfg.block_n, cfg.block_k]
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_block, gdt)
+    b_layout = gl.NVMMASharedLayout.get_default_for(b_block, gdt)
+    signature = dict(
+        a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
+        a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32", row_scale_ptr="*fp32",
+        index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
+        G_A="i32", G_C="i32")
+    meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gate_up=gate, fp8=fp8,
+                   pipe_mma=cfg.pipe_mma, quant_out=quant_out, has_row_scale=not gate, lanes=ws.MAX_EXPERTS,
+                   block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, group_m=cfg.group_m,
+                   stages=cfg.num_stages)
+    return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
+                          ["a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
+                          maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)
+
+
+def ws_jobs() -> list:
+    """("ws", op, fp8, config) of every warp-specialized launch config: the tuner's candidates and the
+    table's entries."""
+    from epmoe.bench.experts_tune import WS_CANDIDATES
+    from epmoe.kernels import configs
+    out = [(op, fp8, cfg) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
+    for op in configs.OPS:
+        for fp8 in (False, True):
+            for _, cfg in configs._table()[configs.table_key(op, fp8)]:
+                if cfg.warp_specialize and (op, fp8, cfg) not in out:
+                    out.append((op, fp8, cfg))
+    return [("ws", op, fp8, cfg.to_dict()) for op, fp8, cfg in out]
+
+
+def pointer_jobs() -> list:
+    from epmoe.kernels import configs
+    jobs = [("pointer", op, dtype, bound, False) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
+            for bound, _ in configs._table()[configs.table_key(op, dtype == "fp8e4nv")]]
+    # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks)
+    jobs += [("pointer", "gate_up", "fp8e4nv", bound, True)
+             for bound, cfg in configs._table()[configs.table_key("gate_up", True)]
+             if bound <= 64 and cfg.block_k == 128 and cfg.warp_specialize is None]
+    return jobs
+
+
+def run_job(job) -> tuple[str, list[str]]:
+    """(report line, failures) of one compile."""
+    if job[0] == "ws":
+        from epmoe.bench.experts_tune import describe
+        from epmoe.kernels.configs import GemmConfig
+        _, op, fp8, cfg = job
+        cfg = GemmConfig(**cfg)
+        kernel = _ws_kernel(op, fp8, cfg)
+        tag = f"ws {op} {'fp8' if fp8 else 'bf16'} {describe(cfg)}"
+        serialized = wgmma_serialized(kernel)
+        check_spills = True
+    else:
+        _, op, dtype, bound, quant_a = job
+        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a)
+        tag = f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''} rows<={bound} {cfg}"
+        serialized = False
+        check_spills = dtype != "fp32"  # float32 is a correctness path, not a fast one
+    spills, shared = spill_bytes(kernel), kernel.metadata.shared
     failures = []
-    variants = [(op, dtype, False) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")]
-    variants.append(("gate_up", "fp8e4nv", True))  # bf16 x quantized inside the kernel (batched layout)
-    for op, dtype, quant_a in variants:
-        fp8 = dtype == "fp8e4nv"
-        for bound, _ in configs._table()[configs.table_key(op, fp8)]:
-            cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True,
-                                      element_size=4 if dtype == "fp32" else 2)
-            if quant_a and (bound > 64 or cfg.block_k != 128):
-                continue
-            gate = op == "gate_up"
-            quant_out = gate and fp8 and cfg.block_n == 128
-            a = "*bf16" if quant_a else f"*{dtype}"
-            c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
-            signature = dict(
-                a_ptr=a, a_scale_ptr="*fp32", a_rows_ptr="*i32", b_ptr=f"*{dtype}", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32",
-                row_scale_ptr="*fp32", index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32",
-                stride_bl="i64", stride_bsl="i32", stride_bsn="i32", G_A="i32", G_C="i32")
-            gather = gate and bound > 64
-            if cfg.tma:  # TMA descriptors for B, and for A unless A is read through a row index
-                signature["b_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {cfg.block_k}]>"
-                if not gather:
-                    signature["a_desc"] = f"tensordesc<{a[1:]}[{cfg.block_m}, {cfg.block_k}]>"
-            descriptors = {name: None for name in ("a_desc", "b_desc") if name not in signature}
-            constexprs = dict(
-                descriptors, TMA_A="a_desc" in signature, TMA_B="b_desc" in signature,
-                BATCHED=bound <= 64, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
-                TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
-                EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, SCALE_GROUP=128)
-            kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
-                                    ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"],
-                                    cfg.num_warps, cfg.num_stages)
-            spills, shared = spill_bytes(kernel), kernel.metadata.shared
-            tag = f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''} rows<={bound}"
-            print(f"{tag} {cfg}: shared {shared} B, spills {spills} B")
-            if shared > SMEM_LIMIT:
-                failures.append(f"{tag}: {shared} B of shared memory")
-            if spills and dtype != "fp32":  # float32 is a correctness path, not a fast one
-                failures.append(f"{tag}: {spills} B of register spills")
+    if shared > SMEM_LIMIT:
+        failures.append(f"{tag}: {shared} B of shared memory")
+    if spills and check_spills:
+        failures.append(f"{tag}: {spills} B of register spills")
+    if serialized:
+        failures.append(f"{tag}: ptxas serializes its wgmma")
+    return f"{tag}: shared {shared} B, spills {spills} B{', wgmma serialized' if serialized else ''}", failures
+
+
+def main() -> None:
+    try:
+        import epmoe.kernels.grouped_gemm_ws  # noqa: F401
+        jobs = ws_jobs()
+    except ImportError as exc:
+        print(f"no warp-specialized kernel with this Triton: {exc}")
+        jobs = []
+    jobs += pointer_jobs()
+    failures = []
+    with ProcessPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        for line, failed in pool.map(run_job, jobs):
+            print(line, flush=True)
+            failures += failed
+    from epmoe.kernels.quant import _quantize_act_kernel
     compile_hopper(_quantize_act_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32", R="i32",
                                               D="i32", G="i32"),
                    dict(BLOCK_ROWS=16, GROUP=128, ROUND_FIRST=False), ["x_ptr", "q_ptr", "D"], 4, 1)

@@ -15,13 +15,15 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from compile_run import assert_compiles  # noqa: E402
+from compile_run import OTHER_TRITONS, assert_compiles  # noqa: E402
 from epmoe import FusedMoE, MoEConfig  # noqa: E402
 from epmoe.experts.grouped_mm import GroupedMMExperts  # noqa: E402
 from epmoe.experts.reference import ReferenceExperts  # noqa: E402
 from epmoe.experts.triton import TritonExperts  # noqa: E402
 from epmoe.interfaces import ExpertBatch, Layout  # noqa: E402
+from epmoe.bench import experts_tune  # noqa: E402
 from epmoe.kernels import configs  # noqa: E402
+from epmoe.kernels import grouped_gemm  # noqa: E402
 from epmoe.kernels.configs import GemmConfig, gemm_config  # noqa: E402
 from epmoe.kernels.grouped_gemm import ExpertRows, _descriptor, down, down_ref, gate_up, gate_up_ref  # noqa: E402
 from epmoe.kernels.quant import divide_rn, quantize_act  # noqa: E402
@@ -402,6 +404,268 @@ def test_config_table_is_valid_and_choice_is_pure():
         GemmConfig(block_m=24, block_n=32, block_k=32)
 
 
+WS = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5, warp_specialize="interleaved")
+
+
+def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():
+    for bad in (dict(warp_specialize="coop"), dict(num_warps=8), dict(block_m=32), dict(num_stages=2)):
+        with pytest.raises(ValueError, match="warp_specialize"):
+            GemmConfig(**{**WS.to_dict(), **bad})
+    with pytest.raises(ValueError, match="pipe_mma needs warp_specialize"):
+        GemmConfig(block_m=64, block_n=64, block_k=64, pipe_mma=True)
+    ptr = WS.pointer_variant()
+    assert (ptr.warp_specialize, ptr.num_warps, ptr.tma) == (None, 8, True)
+    assert (ptr.block_m, ptr.block_n, ptr.block_k, ptr.num_stages) == (64, 128, 64, 4)
+    assert GemmConfig(**{**WS.to_dict(), "block_m": 128, "block_n": 256}).pointer_variant().num_stages == 2
+    assert ptr.pointer_variant() == ptr
+    assert GemmConfig(**WS.to_dict()) == WS  # the table's form round-trips
+    assert "pipe_mma" not in WS.to_dict() and "warp_specialize" not in ptr.to_dict()
+
+
+def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypatch):
+    table = {"gate_up_bf16": [[10 ** 9, WS]], "gate_up_fp8": [[10 ** 9, WS]], "down_bf16": [[10 ** 9, WS]],
+             "gate_up_bf16_indexed": [[10 ** 9, configs.INTERPRETER_CONFIG]]}
+    monkeypatch.setattr(configs, "_table", lambda: table)
+    assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True) == WS
+    assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
+    assert gemm_config("gate_up", fp8=True, rows_hint=9, on_gpu=True, indexed=True) == WS.pointer_variant(1)
+    wide = gemm_config("down", fp8=False, rows_hint=9, on_gpu=True, element_size=4)  # float32: pointer kernel
+    assert wide.warp_specialize is None and wide.block_k == 32
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, monkeypatch):
+    """Launches the warp-specialized kernel cannot serve (here: no Hopper GPU, the interpreter) run its
+    config's pointer variant, with the same results; on a Hopper GPU `test_warp_specialized_kernel_gpu`
+    runs the kernel itself."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("Hopper runs the warp-specialized kernel (test_warp_specialized_kernel_gpu)")
+    ran = []
+    real = grouped_gemm._grouped_gemm_kernel
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **kw: (ran.append(kw["BLOCK_M"]), real[grid](*a, **kw)))})())
+    counts = [5, 0, 70]
+    L, D, F = len(counts), 128, 128
+    rows, R = make_rows(counts, batched)
+    w13, w2 = weights(L, D, F)
+    x = torch.randn(R, D, device=DEVICE).bfloat16()
+    cfg = GemmConfig(**{**WS.to_dict(), "block_k": 128 if fp8 else 64})
+    mask = valid_mask(rows, R)
+    if fp8:
+        (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
+        h, hs = gate_up(x, q13, rows, w13_scale=s13, config=cfg)
+        h_ref = gate_up_ref(x, q13, rows, w13_scale=s13)
+        torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0], atol=FP8_H_TOL[1])
+        y = down(h, q2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, config=cfg)
+        y_ref = down_ref(h, q2, rows, h_scale_RG=hs, w2_scale=s2)
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        h, _ = gate_up(x, w13, rows, config=cfg)
+        torch.testing.assert_close(h[mask].float(), gate_up_ref(x, w13, rows)[mask], rtol=2e-2, atol=3e-2)
+        y = down(h, w2, rows, config=cfg)
+        y_ref = down_ref(h, w2, rows)
+    torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
+    assert ran == [64, 64]  # both GEMMs ran the pointer kernel with the config's tiles
+
+
+WS_CASES = [(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.items() for cfg in cands]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,fp8,cfg", WS_CASES, ids=[f"{op}-{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
+                                                      for op, fp8, c in WS_CASES])
+@pytest.mark.parametrize("batched", [False, True])
+def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, monkeypatch):
+    """The warp-specialized kernel (each tuner candidate) against the references on a Hopper GPU: empty,
+    single-row, partial-tile and multi-tile experts, both layouts, an odd number of K blocks (the paired
+    fp8 loop's padding step), the down GEMM with a per-row scale; and it really ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel needs a Hopper GPU")
+    launched = []
+    real = grouped_gemm.grouped_gemm_ws.launch
+    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
+                        lambda *a, **kw: (launched.append(kw["gate_up"]), real(*a, **kw)))
+    counts = [0, 1, 7, 64, 300, 129, 2, 1000]
+    L, D, F = len(counts), 384, 384  # 3 K blocks of 128 in both GEMMs
+    rows, R = make_rows(counts, batched)
+    w13, w2 = weights(L, D, F)
+    mask = valid_mask(rows, R)
+    if op == "gate_up":
+        x = torch.randn(R, D, device=DEVICE).bfloat16()
+        if fp8:
+            q13, s13 = quantize_weight_ref(w13)
+            xq, xs = quantize_act_ref(x)
+            h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
+            h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
+            assert_fp8_h_close(dequantize_act_ref(h, hs)[mask], h_ref[mask])
+        else:
+            h, _ = gate_up(x, w13.bfloat16(), rows, config=cfg)
+            torch.testing.assert_close(h[mask].float(), gate_up_ref(x, w13.bfloat16(), rows)[mask], rtol=2e-2,
+                                       atol=3e-2)
+    else:
+        h = torch.randn(R, F, device=DEVICE).bfloat16()
+        row_scale = torch.rand(R, device=DEVICE)
+        if fp8:
+            q2, s2 = quantize_weight_ref(w2)
+            hq, hs = quantize_act_ref(h)
+            y = down(hq, q2, rows, h_scale_RG=hs, w2_scale=s2, row_scale_R=row_scale, out_dtype=torch.bfloat16,
+                     config=cfg)
+            y_ref = down_ref(hq, q2, rows, h_scale_RG=hs, w2_scale=s2, row_scale_R=row_scale)
+        else:
+            y = down(h, w2.bfloat16(), rows, row_scale_R=row_scale, config=cfg)
+            y_ref = down_ref(h, w2.bfloat16(), rows, row_scale_R=row_scale)
+        torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
+    assert launched == [op == "gate_up"]
+
+
+def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
+    """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values a
+    float32 sum in another order rounds to the neighbouring e4m3 value (one step: 2^-3 relative)."""
+    err = (h - h_ref).abs()
+    bad = err > FP8_H_TOL[1] + FP8_H_TOL[0] * h_ref.abs()
+    assert int(bad.sum()) <= max(1, 1e-4 * h.numel()), f"{int(bad.sum())} of {h.numel()} beyond e4m3 rounding"
+    assert bool((err <= 0.13 * h_ref.abs() + FP8_H_TOL[1]).all())
+
+
+@pytest.mark.parametrize("op,fp8", [("gate_up", False), ("down", True), ("gate_up", True)])
+def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, monkeypatch):
+    """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
+    of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is."""
+    import inspect
+    ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
+    calls = []
+    signature = inspect.signature(ws._ws_gemm_kernel.fn)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg")}
+                calls.append((grid, signature.bind(*args, **kwargs).arguments, options))
+            return launch
+    monkeypatch.setattr(ws, "_ws_gemm_kernel", Spy())
+    cfg = experts_tune.WS_CANDIDATES[(op, fp8)][0]
+    L, N, K, R = 3, 256, 384, 40
+    w = torch.zeros(L, 2 * N if op == "gate_up" else N, K)
+    a = torch.zeros(R, K)
+    a_s = w_s = out_scale = None
+    if fp8:
+        w, w_s = quantize_weight_ref(w)
+        a, a_s = quantize_act_ref(a)
+    out = torch.empty(R, N, dtype=torch.float8_e4m3fn if op == "gate_up" and fp8 else torch.bfloat16)
+    if out.dtype == torch.float8_e4m3fn:
+        out_scale = torch.empty(R, N // 128)
+    offsets = torch.tensor([0, 5, 5, 40], dtype=torch.int32)
+    ws.launch(a.bfloat16() if not fp8 else a, a_s, w.bfloat16() if not fp8 else w, w_s, offsets, False, 0, out,
+              out_scale, None, gate_up=op == "gate_up", cfg=cfg, programs=7)
+    (grid, bound, options), = calls
+    assert grid == (7, ) and options == {"num_warps": cfg.num_warps, "maxnreg": ws._MAX_REGISTERS}
+    assert bound["a_desc"].block_shape == [cfg.block_m, cfg.block_k]
+    assert bound["b_desc"].block_shape == [cfg.block_n, cfg.block_k] and bound["b_desc"].shape[0] == w.shape[0] * w.shape[1]
+    assert (bound["L"], bound["R"], bound["N"], bound["K"]) == (L, R, N, K)
+    meta = bound["META"]
+    assert (meta.gate_up, meta.fp8, meta.quant_out, meta.has_row_scale) == (op == "gate_up", fp8,
+                                                                            out_scale is not None, False)
+    assert (meta.schedule, meta.stages, meta.lanes) == (ws.SCHEDULES[cfg.warp_specialize], cfg.num_stages, 128)
+
+@pytest.mark.gpu
+def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():
+    """Rows through an index, float32, and a K row length TMA cannot address take the pointer kernel."""
+    from epmoe.kernels.grouped_gemm_ws import supported
+    w = torch.zeros(2, 256, 128, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(64, 128, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.empty(64, 128, dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(gate_up=True, block_n=128, block_k=64)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert supported(x, w, out, 2, gathered=False, **kw) == hopper
+    assert not supported(x, w, out, 2, gathered=True, **kw)
+    assert not supported(x.float(), w.float(), out, 2, gathered=False, **kw)
+    x_odd, w_odd = torch.zeros(64, 120, dtype=torch.bfloat16, device=DEVICE), w[:, :, :120].contiguous()
+    assert not supported(x_odd, w_odd, out, 2, gathered=False, **kw)  # rows of 240 B
+    assert not supported(x, w, out, 300, gathered=False, **kw)  # more experts than the tile map's lanes
+
+def test_tuner_check_passes_good_configs_and_records_failures():
+    """The tuner's correctness check (run on the GPU by worker processes) at a tiny shape: a candidate
+    (here through its pointer variant) passes against the reference, one the compiler refuses is
+    recorded with its error, and a task with no time left is reported as not finished."""
+    good = GemmConfig(block_m=16, block_n=128, block_k=128, group_m=2, num_warps=4, num_stages=2)
+    bad = GemmConfig(block_m=16, block_n=128, block_k=256)  # fp8 K blocks must divide 128
+    for op in ("gate_up", "down"):
+        task = {"op": op, "fp8": True, "indexed": op == "gate_up", "dims": (256, 128, 3), "device": str(DEVICE),
+                "configs": [good.to_dict(), bad.to_dict()]}
+        first, second = experts_tune._check_task(task)
+        assert first["ok"] and first["rel_err"] < 1e-2, first
+        assert not second["ok"] and "error" in second, second
+    hung = experts_tune.run_checks([[task]], workers=1, budget_s=0.0)
+    assert [e["ok"] for e in hung[0][0]] == [False, False] and "no result" in hung[0][0][0]["error"]
+
+def test_tuner_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
+    """`--tune` from checks to configs.json, at a tiny shape: the checks in a worker process (on the
+    interpreter without a GPU; a warp-specialized candidate there runs its pointer variant), the timing
+    (here a stand-in clock), the table."""
+    from types import SimpleNamespace
+
+    from epmoe.bench import experts as bench
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run of --tune times the real kernels")
+    monkeypatch.setitem(bench.SHAPES, "tiny", (128, 128, 3))
+    monkeypatch.setattr(experts_tune, "POINTS", {b: (("tiny", 16),) for b in experts_tune.BUCKETS})
+    monkeypatch.setattr(experts_tune, "INDEXED_POINTS", {b: (("tiny", 16),) for b in experts_tune.BUCKETS})
+    monkeypatch.setattr(experts_tune, "WS_CANDIDATES", {k: v[:1] for k, v in experts_tune.WS_CANDIDATES.items()})
+    monkeypatch.setattr(experts_tune, "POINTER_CANDIDATES", {k: () for k in experts_tune.POINTER_CANDIDATES})
+    monkeypatch.setattr(experts_tune, "INDEXED_CANDIDATES", {k: v[:1] for k, v in experts_tune.INDEXED_CANDIDATES.items()})
+    sweeps = [s for s in experts_tune._sweeps() if s[:3] in {("gate_up", False, False), ("gate_up", True, True),
+                                                              ("down", True, False)}]
+    monkeypatch.setattr(experts_tune, "_sweeps", lambda: sweeps)
+    clock = iter(range(1, 10 ** 6))
+
+    def fake_time(fn, rep_ms):  # later is slower: at each point the committed entry (timed first) wins
+        fn()  # the launch must run
+        return float(next(clock))
+    monkeypatch.setattr(experts_tune, "_time_ms", fake_time)
+    args = SimpleNamespace(out=str(tmp_path), workers=2, check_s=600.0, stall_s=600.0, max_rows=1 << 20, rep_ms=1)
+    result = experts_tune.run_tune(args, DEVICE)
+    assert result["checks"] and all(c["ok"] for c in result["checks"]), [c for c in result["checks"] if not c["ok"]]
+    assert {(p["op"], p["prec"], p["indexed"]) for p in result["points"]} == {
+        ("gate_up", "bf16", False), ("gate_up", "fp8", True), ("down", "fp8", False)}
+    for p in result["points"]:  # every candidate timed; the committed entry first
+        assert [e["config"] for e in p["entries"]] == [c.to_dict() for c in experts_tune.candidates(
+            p["op"], p["prec"] == "fp8", p["bucket"], p["indexed"])]
+        assert all("ms" in e for e in p["entries"])
+    written = configs._table(tmp_path / "configs.json")
+    first = {(p["op"], p["prec"] == "fp8", p["indexed"], p["bucket"]): GemmConfig(**p["entries"][0]["config"])
+             for p in result["points"]}
+    for (op, fp8, indexed, bound), cfg in first.items():
+        assert dict(written[configs.table_key(op, fp8, indexed)])[bound] == cfg
+    for key in ("down_bf16", "gate_up_fp8"):  # not swept: as committed
+        assert written[key] == configs._table()[key]
+
+def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
+    """The tuner's table from synthetic times: per (GEMM, precision, bucket) the candidate whose time over
+    the point's best, summed over the bucket's points, is smallest (one that is fastest at one point but
+    missing or slow at another loses); buckets below 128 rows and untuned keys stay as committed."""
+    a, b, c = (GemmConfig(block_m=64, block_n=n, block_k=64).to_dict() for n in (32, 64, 128))
+
+    def point(op, prec, bucket, times, indexed=False):
+        return {"op": op, "prec": prec, "indexed": indexed, "bucket": bucket,
+                "entries": [{"config": cfg, "ms": ms} for cfg, ms in times]}
+    points = []
+    for key in ("gate_up", "down"):
+        for prec in ("bf16", "fp8"):
+            for bucket in experts_tune.BUCKETS:
+                points += [point(key, prec, bucket, [(a, 1.0), (b, 1.1), (c, 0.9)]),   # c best here
+                           point(key, prec, bucket, [(a, 1.0), (b, 1.05)]),           # c missing: inf
+                           point(key, prec, bucket, [(a, 2.0), (b, 1.0), (c, 1.0)])]  # a slow
+    points.append(point("gate_up", "bf16", 128, [(c, 1.0)], indexed=True))  # one bucket: not enough
+    table = experts_tune.build_table(points, "t")["tables"]
+    committed = configs._table()
+    for key, buckets in table.items():
+        assert [bound for bound, _ in buckets] == [bound for bound, _ in committed[key]]
+        for (bound, cfg), (_, old) in zip(buckets, committed[key]):
+            assert cfg == (b if bound >= 128 and not key.endswith("_indexed") else old.to_dict())
+    assert set(table) == set(committed)
+
+
 # Real model shapes on the GPU (a few experts, to keep the reference cheap).
 GPU_SHAPES = [(7168, 2048), (2048, 768)]  # DeepSeek-V3, Qwen3-30B-A3B
 
@@ -452,12 +716,13 @@ def test_grouped_mm_experts_real_shapes_gpu(D, F):
     torch.testing.assert_close(experts(batch)[mask].float(), reference(batch)[mask].float(), rtol=2e-2, atol=3e-2)
 
 
-
-def test_kernels_compile_for_hopper_with_table_configs():
+@pytest.mark.parametrize("triton_dir", [None] + OTHER_TRITONS)
+def test_kernels_compile_for_hopper_with_table_configs(triton_dir):
     """The interpreter does not exercise Triton's compiler front end, which rejects some code the
-    interpreter accepts: compile the kernels for sm_90 (no GPU needed) in a process without it.
-    With a GPU the other tests compile and run the kernels for real."""
-    assert_compiles("compile_hopper.py")
+    interpreter accepts, and cannot run the warp-specialized Gluon kernel at all: compile the kernels
+    for sm_90 (no GPU needed) in a process without it, with the installed triton and the GPU machine's
+    (EPMOE_OTHER_TRITONS). With a GPU the other tests compile and run the kernels for real."""
+    assert_compiles("compile_hopper.py", triton_dir)
 
 
 def test_bench_floor_and_table_format(tmp_path):
@@ -468,8 +733,8 @@ def test_bench_floor_and_table_format(tmp_path):
     assert floor.ms == pytest.approx(floor.bytes / (bench.COPY_TBPS * 1e12) * 1e3)  # decode: bytes bound
     big = bench.mlp_floor(R=131072, L=128, D=7168, F=2048, fp8=True)
     assert big.ms == pytest.approx(big.flops / (bench.PEAK_FP8_TFLOPS * 1e12) * 1e3)  # flops bound
-    text = bench.format_table({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
-                                                          for key, buckets in configs._table().items()}})
+    text = experts_tune.format_configs_json({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
+                                                                 for key, buckets in configs._table().items()}})
     path = tmp_path / "configs.json"
     path.write_text(text)
     assert configs._table(path) == configs._table()

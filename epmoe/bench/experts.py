@@ -16,9 +16,13 @@ Bytes of the floor: weights + x + h written and read + y (fp8: weights, x, h in 
 Total rows are capped at --max-rows (default 131072): a point with L*t above the cap runs on the
 first max_rows // t experts (reported as L_run), which keeps memory and runtime small.
 
-`--tune` instead times a few candidate launch configs per (op, precision, rows-per-expert bucket) on
-the DeepSeek-V3 and Qwen3 shapes and writes the best as `configs.json` (the format of
-epmoe/kernels/configs.json) to --out; commit it there to use it.
+Shapes (D, F, L): DeepSeek-V3 with 128 or 256 local experts, Qwen3-30B-A3B, Mixtral-8x7B,
+DeepSeek-V2-Lite.
+
+`--tune` instead checks and times candidate launch configs per (GEMM, precision, rows-per-expert
+bucket) at these shapes, beside torch._grouped_mm and dense matmuls, and writes the winners as
+`configs.json` (the format of epmoe/kernels/configs.json) to --out; commit it there to use it
+(epmoe/bench/experts_tune.py; `--table-from` rebuilds configs.json from a run's experts_tune.json).
 
 Run: python -m epmoe.bench.experts --out DIR [--tune]   (needs one CUDA GPU)
 """
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +39,10 @@ import triton
 import triton.testing
 
 from ..kernels import configs as configs_mod
-from ..kernels.configs import GemmConfig
 from ..kernels.grouped_gemm import ExpertRows, down, gate_up
 from ..kernels.quant import quantize_act
 from ..quant import quantize_weight_ref
+from . import experts_tune
 
 PEAK_BF16_TFLOPS = 686.0   # GPU.md: dense bf16 8192^3 matmul on one H200
 PEAK_FP8_TFLOPS = 1276.0   # GPU.md: torch._scaled_mm tensorwise fp8
@@ -49,12 +52,11 @@ SHAPES = {  # name: (D, F, L)
     "dsv3-128": (7168, 2048, 128),
     "dsv3-256": (7168, 2048, 256),
     "qwen3-30b": (2048, 768, 128),
+    "mixtral-8x7b": (4096, 14336, 8),
+    "dsv2-lite": (2048, 1408, 64),
 }
 TOKENS = (1, 16, 64, 128, 256, 512, 1024, 4096)
 DECODE_MAX_TOKENS = 64
-TUNE_BUCKETS = (16, 32, 64, 128, 1_000_000_000)  # rows-per-expert bounds of the table
-TUNE_ROWS = {16: 16, 32: 32, 64: 64, 128: 128, 1_000_000_000: 512}  # t measured for each bucket
-TUNE_EXPERTS = 64
 
 
 @dataclass(frozen=True)
@@ -209,98 +211,6 @@ def run_bench(args, dev: torch.device) -> dict:
                                                   "copy_tbps": COPY_TBPS}, "points": rows}
 
 
-# Large-M candidates (the last bucket): (block_m, block_n, num_warps, num_stages, group_m, tma), the
-# table's entry first. From vLLM's tuned H200 fp8 block configs at large M (64x128x128, 4 warps, 3-4
-# stages, GROUP_SIZE_M 16-32), sm_90 register checks (the fused fp8 gate-up holds two accumulators: 4
-# warps spill there), and scripts/gemm_probe.py on an H200 (TMA loads win for bf16, not for fp8).
-LARGE_M_CANDIDATES = {
-    ("gate_up", True): ((128, 128, 8, 3, 16, False), (128, 128, 8, 4, 32, False), (64, 128, 8, 4, 32, False),
-                        (128, 128, 8, 3, 16, True)),
-    ("down", True): ((64, 128, 4, 4, 32, False), (128, 128, 8, 4, 16, False), (128, 128, 8, 3, 8, False),
-                     (128, 128, 8, 4, 16, True)),
-    ("gate_up", False): ((128, 128, 8, 4, 16, True), (128, 128, 8, 3, 8, True), (128, 128, 8, 3, 8, False),
-                         (64, 128, 4, 4, 16, True)),
-    ("down", False): ((128, 256, 8, 3, 16, True), (128, 256, 8, 4, 32, True), (128, 256, 8, 4, 32, False)),
-}
-
-
-def candidates(op: str, fp8: bool, bound: int) -> list[GemmConfig]:
-    """A few launch configs worth trying for one table bucket (small: each costs a compile)."""
-    if bound <= 64:  # weight-bandwidth bound: rows tile = the bucket, many column tiles in flight
-        bm = max(16, bound)
-        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages)
-                for bn, bk, stages, warps in ((64, 128, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (64, 64, 5, 4))]
-    bk = 128 if fp8 else 64
-    if bound > TUNE_BUCKETS[-2]:  # the last bucket: compute bound, wide tiles and wide row groups
-        return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=gm, num_warps=warps, num_stages=stages,
-                           tma=tma)
-                for bm, bn, warps, stages, gm, tma in LARGE_M_CANDIDATES[(op, fp8)]]
-    shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (128, 64, 8))  # (block_m, block_n, warps)
-    if op == "down":  # one accumulator: room for wider tiles
-        shapes += ((64, 256, 8), (128, 256, 8))
-    return [GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_warps=warps,
-                       num_stages=3 if bm * bn >= 128 * 256 else 4)
-            for bm, bn, warps in shapes]
-
-
-def format_table(table: dict) -> str:
-    """configs.json text: one bucket per line, like the committed table."""
-    keys = [f'    "{key}": [\n' + ",\n".join(f"      {json.dumps(bucket)}" for bucket in buckets) + "\n    ]"
-            for key, buckets in table["tables"].items()]
-    return ('{\n  "comment": ' + json.dumps(table["comment"]) + ',\n  "tables": {\n' + ",\n".join(keys)
-            + "\n  }\n}\n")
-
-
-def run_tune(args, dev: torch.device) -> dict:
-    shapes = [(D, F) for D, F, _ in (SHAPES["dsv3-128"], SHAPES["qwen3-30b"])]
-    L = TUNE_EXPERTS
-    prepared = []
-    for D, F in shapes:
-        w13, w2 = random_weights(L, D, F, dev)
-        prepared.append((D, F, w13, w2, *quantize_per_expert(w13), *quantize_per_expert(w2)))
-    tables: dict[str, list] = {}
-    report = []
-    for fp8 in (False, True):
-        for op in configs_mod.OPS:
-            key = configs_mod.table_key(op, fp8)
-            tables[key] = []
-            for bound in TUNE_BUCKETS:
-                t = TUNE_ROWS[bound]
-                scores: dict[GemmConfig, float] = {}
-                for D, F, w13, w2, q13, s13, q2, s2 in prepared:
-                    contiguous, batched = uniform_rows(L, t, dev)
-                    rows = batched if bound <= DECODE_MAX_TOKENS else contiguous
-                    K = D if op == "gate_up" else F
-                    a = torch.randn(L * t, K, dtype=torch.bfloat16, device=dev)
-                    aq, as_ = quantize_act(a)
-                    per_shape = {}
-                    for cfg in candidates(op, fp8, bound):
-                        if op == "gate_up":
-                            fn = ((lambda c=cfg: gate_up(aq, q13, rows, x_scale_RG=as_, w13_scale=s13, config=c))
-                                  if fp8 else (lambda c=cfg: gate_up(a, w13, rows, config=c)))
-                        else:
-                            fn = ((lambda c=cfg: down(aq, q2, rows, h_scale_RG=as_, w2_scale=s2,
-                                                      out_dtype=torch.bfloat16, config=c))
-                                  if fp8 else (lambda c=cfg: down(a, w2, rows, config=c)))
-                        try:
-                            per_shape[cfg] = time_ms(fn, args.rep_ms)
-                        except Exception as exc:  # a candidate the compiler refuses (shared memory, registers)
-                            print(f"# skip {key} t={t} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                    best = min(per_shape.values())
-                    for cfg in set(scores) | set(per_shape):  # score: slowdown vs the best, summed
-                        scores[cfg] = scores.get(cfg, 0.0) + per_shape.get(cfg, math.inf) / best
-                winner = min(scores, key=scores.get)
-                tables[key].append([bound, winner.to_dict()])
-                report.append({"key": key, "bound": bound, "t": t, "best": winner.to_dict(),
-                               "scores": [[c.to_dict(), s] for c, s in sorted(scores.items(), key=lambda kv: kv[1])]})
-                print(f"{key:>13} t<={bound:<10} best {winner}  (score {scores[winner]:.3f})", flush=True)
-    table = {"comment": f"Tuned by `python -m epmoe.bench.experts --tune` on {device_name(dev)}, "
-                        f"torch {torch.__version__}, triton {triton.__version__}.", "tables": tables}
-    if args.out:
-        (Path(args.out) / "configs.json").write_text(format_table(table))
-    return {"tune": report, "table": table}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="epmoe bench experts", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="folder for experts.json (and configs.json with --tune)")
@@ -308,8 +218,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="rows per expert to sweep")
     p.add_argument("--max-rows", type=int, default=131072, help="cap on total rows per point (see L_run)")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench time budget per measurement")
-    p.add_argument("--tune", action="store_true", help="tune launch configs and write configs.json")
+    p.add_argument("--tune", action="store_true", help="tune launch configs and write configs.json "
+                   "(epmoe/bench/experts_tune.py)")
+    p.add_argument("--workers", type=int, default=8, help="--tune: processes checking (and compiling) candidates")
+    p.add_argument("--check-s", type=float, default=200.0, help="--tune: time allowed for all the checks")
+    p.add_argument("--stall-s", type=float, default=60.0, help="--tune: end the run when one point takes this long")
+    p.add_argument("--table-from", help="write configs.json from this experts_tune.json (no GPU needed)")
     args = p.parse_args(argv)
+    if args.table_from:
+        experts_tune.table_from(args.table_from, args.out)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("epmoe bench experts needs a CUDA GPU")
     if any(t < 1 for t in args.tokens):
@@ -318,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())
-    result = run_tune(args, dev) if args.tune else run_bench(args, dev)
+    result = experts_tune.run_tune(args, dev) if args.tune else run_bench(args, dev)
     result["seconds"] = time.perf_counter() - t0
     print(f"# total {result['seconds']:.0f}s")
     if args.out:

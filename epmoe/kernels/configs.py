@@ -4,7 +4,9 @@ Shape letters: R rows per expert (the host's estimate, see `rows_hint`), N outpu
 
 The table is data (`configs.json` beside this file), written by `python -m epmoe.bench.experts --tune`
 on the GPU and committed; nothing is tuned at call time. Each table entry lists buckets
-`[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins.
+`[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins. Entries
+`<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index, which
+only the pointer kernel can do; without one such a launch takes the plain entry's `pointer_variant`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("configs.json")
 OPS = ("gate_up", "down")
+# Schedules of the warp-specialized kernel (epmoe/kernels/grouped_gemm_ws.py): one consumer of 8 warps,
+# or two of 4 warps taking alternate tiles (pingpong) or K blocks of two tiles at once (interleaved).
+WS_SCHEDULES = ("cooperative", "pingpong", "interleaved")
+# Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
+_POINTER_STAGE_BYTES = 200 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +33,11 @@ class GemmConfig:
     group_m is the number of row tiles that share a pass over the column tiles (L2 reuse); tma: load
     tiles through TMA descriptors (Hopper and later; rows read through a batch's row index still use
     pointer loads).
+    warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (TMA
+    loader warps, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
+    ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index, fp32, other
+    GPUs, the interpreter) run `pointer_variant()`. None: the pointer kernel. pipe_mma (fp8, warp
+    specialized): two K blocks' wgmma in flight, the first promoted while the second runs.
     """
 
     block_m: int
@@ -35,6 +47,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    warp_specialize: str | None = None
+    pipe_mma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):
@@ -43,19 +57,46 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two, got {value}")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
             raise ValueError(f"GemmConfig blocks must be >= 16 (tl.dot), got {self}")
+        if self.warp_specialize is not None:
+            if self.warp_specialize not in WS_SCHEDULES:
+                raise ValueError(f"GemmConfig.warp_specialize must be None or one of {WS_SCHEDULES}, "
+                                 f"got {self.warp_specialize!r}")
+            warps = 8 if self.warp_specialize == "cooperative" else 4
+            if self.num_warps != warps or self.block_m < 64 or self.num_stages < 3:
+                raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
+                                 f"block_m >= 64 (wgmma) and num_stages >= 3, got {self}")
+        elif self.pipe_mma:
+            raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The table's form: the fields that differ from their defaults, and the tile sizes."""
+        out = asdict(self)
+        for f in dataclasses.fields(self):
+            if f.default is not dataclasses.MISSING and out[f.name] == f.default and f.name not in ("group_m",
+                                                                                                    "num_warps",
+                                                                                                    "num_stages"):
+                del out[f.name]
+        return out
+
+    def pointer_variant(self, element_size: int = 2) -> "GemmConfig":
+        """This config for the pointer kernel (for launches the warp-specialized kernel cannot serve): the
+        same tiles and warps in all, TMA for the weights, as many of its stages as fit beside a gate-up's
+        two weight tiles (at most 4)."""
+        if self.warp_specialize is None:
+            return self
+        stage = (self.block_m + 2 * self.block_n) * self.block_k * element_size
+        return dataclasses.replace(self, warp_specialize=None, pipe_mma=False, num_warps=8, tma=True,
+                                   num_stages=max(2, min(self.num_stages, 4, _POINTER_STAGE_BYTES // stage)))
 
 
 # The interpreter (CPU) runs every program in numpy: small tiles keep the tests fast.
 INTERPRETER_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=4, num_warps=1, num_stages=1)
 
 
-def table_key(op: str, fp8: bool) -> str:
+def table_key(op: str, fp8: bool, indexed: bool = False) -> str:
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    return f"{op}_{'fp8' if fp8 else 'bf16'}"
+    return f"{op}_{'fp8' if fp8 else 'bf16'}" + ("_indexed" if indexed else "")
 
 
 @functools.cache
@@ -64,7 +105,8 @@ def _table(path: Path = TABLE_PATH) -> dict[str, list[tuple[int, GemmConfig]]]:
     return {key: [(bound, GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw["tables"].items()}
 
 
-def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_size: int = 2) -> GemmConfig:
+def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_size: int = 2,
+                indexed: bool = False) -> GemmConfig:
     """The launch configuration for one grouped GEMM.
 
     Args:
@@ -72,14 +114,21 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         fp8: fp8 block-quantized operands (block_k must divide 128; block_n 128 lets gate_up emit fp8 h).
         rows_hint: estimated rows per expert (the mean N / L for the contiguous layout).
         on_gpu: False under the Triton interpreter (CPU tensors), which gets INTERPRETER_CONFIG.
-        element_size: bytes per unquantized operand element; the 16-bit tables are halved along K for
-            float32 so that the pipeline stages still fit in shared memory.
+        element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
+            16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
+        indexed: the activations are read through a row index (the pointer kernel only): the table's
+            `_indexed` entry where it has one, else the plain entry's `pointer_variant`.
     """
     key = table_key(op, fp8)
     if not on_gpu:
         return INTERPRETER_CONFIG
-    buckets = _table()[key]
+    table = _table()
+    if indexed and table_key(op, fp8, indexed=True) in table:
+        key = table_key(op, fp8, indexed=True)
+    buckets = table[key]
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
+    if indexed:
+        cfg = cfg.pointer_variant(1 if fp8 else element_size)
     if not fp8 and element_size > 2:
-        cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k * 2 // element_size))
+        cfg = dataclasses.replace(cfg.pointer_variant(element_size), block_k=max(16, cfg.block_k * 2 // element_size))
     return cfg

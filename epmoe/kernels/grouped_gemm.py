@@ -7,11 +7,14 @@ G = ceil(K / 128) activation scale groups, M rows per expert slot (batched layou
 
 One kernel serves both layouts. Each expert owns a run of rows [base_l, base_l + count_l): contiguous
 base_l = offsets_L1[l], count_l = offsets_L1[l+1] - offsets_L1[l]; batched base_l = l*M, count_l =
-counts_L[l]. Every program rebuilds the tile map on device from the L counts (tiles_l = ceil(count_l /
-BLOCK_M), cumulative sum, search), so there is no host sync; the programs are persistent (at most a few
-per SM) and loop over the real tiles only, so rows past the counts cost nothing even when the batched
-slots are mostly empty. Row tiles are swizzled in groups of GROUP_M that sweep the column tiles together, so a weight tile is
-read from HBM about once per group and an activation tile once per sweep (L2 reuse).
+counts_L[l]. Every program rebuilds the tile map on device from the L counts (`tile_map.tile_coords`),
+so there is no host sync; the programs are persistent (at most a few per SM) and loop over the real
+tiles only, so rows past the counts cost nothing even when the batched slots are mostly empty.
+
+Two kernels: the pointer kernel below (any GPU and the interpreter, rows read through a row index,
+float32) and, on Hopper, the warp-specialized Gluon kernel of grouped_gemm_ws.py (TMA loader warps and
+wgmma consumers), which launch configs with `warp_specialize` set ask for; launches it cannot serve run
+their config's `pointer_variant` here.
 
 fp8 (e4m3, block 128): acc += dot(a, b) * a_scale[row] * b_scale[col] per K block (BLOCK_K divides 128,
 so each K block lies in one scale group); weights carry one scale per 128x128 block, activations one
@@ -34,6 +37,12 @@ from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups, quantize_act_ref
 from .configs import GemmConfig, gemm_config
 from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
+from .tile_map import tile_coords
+
+try:  # the warp-specialized Hopper kernel is written in Gluon, which older Tritons lack
+    from . import grouped_gemm_ws
+except ImportError:
+    grouped_gemm_ws = None
 
 
 # Persistent programs per SM on the GPU; under the interpreter a few programs, so that tests exercise
@@ -131,20 +140,10 @@ def _grouped_gemm_kernel(
     tiles_end = tl.cumsum(tiles, 0)
     num_tiles_m = tl.sum(tiles, 0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_tiles_n
-
     # Persistent loop over the real tiles only (the grid is capped on the host).
     for tile in range(tl.program_id(0), num_tiles_m * num_tiles_n, tl.num_programs(0)):
-        # Swizzled (row tile, column tile): GROUP_M row tiles sweep the column tiles together.
-        first_m = (tile // in_group) * GROUP_M
-        group_size = tl.minimum(num_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_size
-        pid_n = (tile % in_group) // group_size
-        expert = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
-        mine = e == expert
-        tile0 = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
-        row0 = tl.sum(tl.where(mine, base, 0), 0) + (pid_m - tile0) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, base + count, 0), 0)
+        expert, row0, row_end, pid_n = tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
+                                                   num_tiles_n, GROUP_M, BLOCK_M)
 
         offs_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < row_end
@@ -310,6 +309,14 @@ def _max_programs(device: torch.device) -> int:
     return _INTERPRETER_PROGRAMS
 
 
+def _warp_specialized(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: ExpertRows, *,
+                      gate_up: bool, gathered: bool) -> bool:
+    """Whether this launch runs the warp-specialized kernel (its config asks for it and it can serve it)."""
+    return (cfg.warp_specialize is not None and grouped_gemm_ws is not None
+            and grouped_gemm_ws.supported(a, w, out, rows.num_experts, gate_up=gate_up, block_n=cfg.block_n,
+                                          block_k=cfg.block_k, gathered=gathered))
+
+
 def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale, *, gate_up: bool,
             cfg: GemmConfig, a_rows: torch.Tensor | None = None) -> None:
     R, N = out.shape
@@ -319,6 +326,14 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     if R == 0 or N == 0 or L == 0 or max_tiles_m == 0:
         return
     fp8 = w.dtype == FP8_DTYPE
+    a_scale = None if a_scale is None else a_scale.contiguous()
+    w_scale = w_scale.contiguous() if fp8 else None
+    if _warp_specialized(cfg, a, w, out, rows, gate_up=gate_up, gathered=a_rows is not None):
+        grouped_gemm_ws.launch(a, a_scale, w, w_scale, rows.index_L, rows.batched, rows.slot_rows, out, out_scale,
+                               row_scale, gate_up=gate_up, cfg=cfg,
+                               programs=min(max_tiles_m * triton.cdiv(N, cfg.block_n), _sm_count(a.device.index)))
+        return
+    cfg = cfg.pointer_variant(a.element_size())
     dummy = out  # placeholder pointer for arguments a variant does not read
     a_desc = _descriptor(a, [cfg.block_m, cfg.block_k]) if cfg.tma and a_rows is None else None
     # The fused h quantization takes each row's amax over the whole column tile: pointer loads repeat
@@ -327,8 +342,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if tma_b else None
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
     _grouped_gemm_kernel[grid](
-        a, a_desc, dummy if a_scale is None else a_scale.contiguous(), dummy if a_rows is None else a_rows,
-        w, b_desc, w_scale.contiguous() if fp8 else dummy, out,
+        a, a_desc, dummy if a_scale is None else a_scale, dummy if a_rows is None else a_rows,
+        w, b_desc, w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy,
         rows.index_L, L, rows.slot_rows, R, N, K,
         w.stride(0), w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
@@ -382,9 +397,12 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
         R = x_rows_R.shape[0]
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
     cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
-                                element_size=x_RD.element_size())
+                                element_size=x_RD.element_size(), indexed=x_rows_R is not None)
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
-    if fp8 and x_RD.dtype != FP8_DTYPE and not (rows.batched and cfg.block_k == FP8_BLOCK):
+    # bf16 x with fp8 weights: quantized inside the pointer kernel for the batched layout (with 128-deep
+    # K blocks), else first (the warp-specialized kernel takes fp8 x only).
+    in_kernel_quant = rows.batched and cfg.block_k == FP8_BLOCK and cfg.warp_specialize is None
+    if fp8 and x_RD.dtype != FP8_DTYPE and not in_kernel_quant:
         x_RD, x_scale_RG = quantize_act(x_RD)
     out_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x_RD.dtype)
     h = torch.empty(R, F, dtype=out_dtype, device=x_RD.device)

@@ -1,0 +1,479 @@
+"""Warp-specialized grouped expert GEMMs for Hopper, in Gluon: gate-up (SiLU-and-mul fused) and down.
+
+Shape letters: L local experts, R rows of the batch, N output columns of one GEMM, K its reduction size,
+G = ceil(K / 128) activation scale groups, M rows per expert slot (batched layout).
+
+The GEMMs of `grouped_gemm._grouped_gemm_kernel` (the same tile map, built on device from the L counts
+by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' roles explicit:
+- a loader partition walks the program's tiles and streams A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K]
+  tiles (gate-up: the gate tile and the up tile) through TMA into a ring of `stages` shared-memory
+  stages, each guarded by a `ready` and an `empty` mbarrier;
+- consumers issue the wgmma and run the epilogue, on one of three schedules (`SCHEDULES`):
+  "cooperative": one consumer of 8 warps (two warp groups, 64 or more rows each) takes every tile;
+  "pingpong": two consumers of 4 warps take alternate tiles, the ring filled tile after tile, so that
+  one's epilogue runs while the other's MMAs do;
+  "interleaved": two consumers of 4 warps, the ring filled a K block of one's tile then of the other's,
+  so that both multiply at once and each one's CUDA-core work (the fp8 promotion) runs beside the
+  other's MMAs.
+- fp8 block-128: each 128-deep K block is multiplied into a separate fp32 tile and promoted on the CUDA
+  cores, acc += tile * a_scale[row] * b_scale. With pipe_mma two K blocks' wgmma are issued before the
+  first is promoted, so that its promotion overlaps the second's MMAs; each pair is retired within its
+  loop iteration (ptxas serializes every wgmma when one stays in flight across iterations while other
+  instructions read accumulators). Without pipe_mma each block is waited for and promoted before the
+  next is issued (gate-up: the gate's MMA, then the up's, into one register tile).
+The epilogue stores from registers with masks: rows past the expert's end (the next expert's rows, or
+TMA's zero fill past R) and columns past N are computed but never stored.
+
+Needs TMA for both operands, so the rows of A cannot be read through a row index (the pointer kernel
+does that). Runs only on a Hopper GPU (Gluon has no interpreter); `grouped_gemm` launches it (`launch`)
+for launch configs with `warp_specialize` set where `supported` says it can.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..config import FP8_BLOCK
+from ..quant import FP8_DTYPE, num_groups
+from .quant import FP8_MAX_C, MIN_AMAX_C
+from .tile_map import tile_coords
+
+SCHEDULES = {"cooperative": 0, "pingpong": 1, "interleaved": 2}
+# Warps of the loader (one thread issues its TMA copies; four warps share out the tile map's lanes),
+# registers per thread of the loader and of the second consumer; the first consumer (the default
+# partition) gets what is left of the block's budget, 65536 registers over the three warp groups.
+LOADER_WARPS = gl.constexpr(4)
+LOADER_REGS = gl.constexpr(56)
+CONSUMER_REGS = gl.constexpr(224)
+# Registers per thread the kernel is compiled for: the 65536 over its 12 warps (8 consumer warps and the
+# loader's 4); setmaxnreg then moves them from the loader to the consumers.
+_MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
+# The tile map holds one lane per local expert in every partition.
+MAX_EXPERTS = 256
+_MIN_EXPERT_LANES = 128
+_SCALE_GROUP = gl.constexpr(FP8_BLOCK)
+
+# TMA tile load into shared memory, signalling an mbarrier: `async_load` in newer Tritons, which removed
+# triton 3.6's `async_copy_global_to_shared`.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tile_coords = gluon.jit(tile_coords.fn)
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What one launch compiles for (a constexpr of the kernel and of every partition)."""
+
+    schedule: int  # SCHEDULES
+    batched: bool
+    gate_up: bool
+    fp8: bool
+    pipe_mma: bool
+    quant_out: bool  # gate-up fp8: h quantized in the epilogue (block_n == 128)
+    has_row_scale: bool
+    lanes: int  # expert lanes of the tile map: a power of two >= L
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    stages: int
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps, bitwidth):
+    """The wgmma accumulator layout: warps along M while each gets 16 rows, then along N."""
+    warps = [num_warps, 1] if block_m >= 16 * num_warps else [4, num_warps // 4]
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                     instr_shape=[16, min(block_n // warps[1], 256), 256 // bitwidth])
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _pinned(x):
+    """x through an empty asm statement with side effects, so that LLVM computes x before the next wgmma
+    is issued (sunk below it, the promotion would keep registers that wgmma overwrites alive past its
+    issue, and ptxas would serialize every wgmma)."""
+    return gl.inline_asm_elementwise("", "=f,0", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_map(index_ptr, L, SLOT_ROWS, META: gl.constexpr):
+    """Per expert lane, in this partition's warps: (lane, first row, rows, row tiles, cumulative row tiles)."""
+    W: gl.constexpr = gl.num_warps()
+    LANES: gl.constexpr = META.lanes  # (shapes take constexprs: triton 3.6 does not make a field one)
+    layout: gl.constexpr = gl.BlockedLayout([max(LANES // (32 * W), 1)], [32], [W], [0])
+    e = gl.arange(0, LANES, layout=layout)
+    e_mask = e < L
+    if META.batched:
+        count = gl.load(index_ptr + e, mask=e_mask, other=0)
+        base = e * SLOT_ROWS
+    else:
+        base = gl.load(index_ptr + e, mask=e_mask, other=0)
+        count = gl.load(index_ptr + e + 1, mask=e_mask, other=0) - base
+    tiles = (count + META.block_m - 1) // META.block_m
+    return e, base, count, tiles, gl.associative_scan(tiles, 0, _add)
+
+
+@gluon.jit
+def _k_steps(K, META: gl.constexpr):
+    """Ring steps per tile: the K blocks, rounded up to pairs for the pipe_mma loop (its padding step
+    reloads the last block and weighs it zero)."""
+    k_tiles = gl.cdiv(K, META.block_k)
+    if META.fp8 and META.pipe_mma:
+        k_tiles += k_tiles % 2
+    return k_tiles
+
+
+@gluon.jit
+def _ring_slot(j, n_mine, steps, META: gl.constexpr):
+    """(first ring position, stride) of the K blocks of this program's j-th tile (of n_mine): tile after
+    tile, or (interleaved) the two tiles of a pair alternating block by block, a pair's lone tile alone."""
+    pos0 = j * steps
+    stride = pos0 * 0 + 1
+    if META.schedule == 2:
+        full = ((j // 2) * 2 + 1 < n_mine).to(gl.int32)
+        pos0 = (j // 2) * 2 * steps + full * (j % 2)
+        stride = 1 + full
+    return pos0, stride
+
+
+@gluon.jit
+def _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, META: gl.constexpr):
+    """Ring position pos <- A[row0:, k0:] and B[b_row:, k0:] (gate-up: and B[b_row + N:, k0:])."""
+    a_bufs, b_bufs, bu_bufs, ready, empty = ring
+    s = pos % META.stages
+    # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the ring
+    # does not wait.
+    mbarrier.wait(empty.index(s), ((pos // META.stages) & 1) ^ 1)
+    bar = ready.index(s)
+    if META.gate_up:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    _tma_load(a_desc, [row0, k0], bar, a_bufs.index(s))
+    _tma_load(b_desc, [b_row, k0], bar, b_bufs.index(s))
+    if META.gate_up:
+        _tma_load(b_desc, [b_row + N, k0], bar, bu_bufs.index(s))
+
+
+@gluon.jit
+def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
+    """The loader: the K blocks of this program's tiles into the ring, in ring order."""
+    index_ptr, L, SLOT_ROWS, N, K = args[5], args[6], args[7], args[9], args[10]
+    e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
+    num_tiles_m = gl.sum(tiles, 0)
+    num_tiles_n = gl.cdiv(N, META.block_n)
+    total = num_tiles_m * num_tiles_n
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    k_tiles = gl.cdiv(K, META.block_k)
+    steps = _k_steps(K, META)
+    b_rows_per_expert = (2 if META.gate_up else 1) * N
+    if META.schedule == 2:
+        n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
+        for p in range(gl.cdiv(n_mine, 2)):
+            tile = pid + 2 * p * nprog
+            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
+                                                        num_tiles_n, META.group_m, META.block_m)
+            b_row = expert * b_rows_per_expert + pid_n * META.block_n
+            full = 2 * p + 1 < n_mine
+            expert2, row2, row_end2, pid_n2 = _tile_coords(tile + nprog * full.to(gl.int32), e, base, count,
+                                                           tiles, tiles_end, num_tiles_m, num_tiles_n,
+                                                           META.group_m, META.block_m)
+            b_row2 = expert2 * b_rows_per_expert + pid_n2 * META.block_n
+            pos = 2 * p * steps
+            for kk in range(steps):
+                k0 = gl.minimum(kk, k_tiles - 1) * META.block_k  # a padding step reloads the last block
+                _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, META)
+                pos += 1
+                if full:
+                    _load_block(a_desc, b_desc, ring, pos, row2, b_row2, k0, N, META)
+                    pos += 1
+    else:
+        pos = 0
+        for tile in range(pid, total, nprog):
+            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
+                                                        num_tiles_n, META.group_m, META.block_m)
+            b_row = expert * b_rows_per_expert + pid_n * META.block_n
+            for kk in range(steps):
+                _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k,
+                            N, META)
+                pos += 1
+
+
+@gluon.jit
+def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.constexpr):
+    """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile) of its stage, not waiting
+    for the wgmma."""
+    a_bufs, b_bufs, bu_bufs, ready, empty = ring
+    s = pos % META.stages
+    mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
+    b = bu_bufs.index(s) if UP else b_bufs.index(s)
+    return warpgroup_mma(a_bufs.index(s), b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
+
+
+@gluon.jit
+def _release(ring, pos, pred, META: gl.constexpr):
+    """Hand ring position pos's stage back to the loader (its wgmma are done)."""
+    mbarrier.arrive(ring[4].index(pos % META.stages), pred=pred)
+
+
+@gluon.jit
+def _mainloop_16bit(ring, pos0, stride, k_tiles, zero, META: gl.constexpr):
+    """acc (and acc_up) over all K blocks; each block's wgmma stays in flight while the next is issued,
+    and its stage is released once it is done."""
+    acc = zero
+    acc_up = zero
+    for kk in range(k_tiles):
+        pos = pos0 + kk * stride
+        acc = _issue(ring, pos, acc, False, True, META)
+        if META.gate_up:
+            acc_up = _issue(ring, pos, acc_up, True, True, META)
+            acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
+        else:
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+        _release(ring, pos + META.stages - stride, kk > 0, META)
+    if META.gate_up:
+        acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+    _release(ring, pos0 + (k_tiles - 1) * stride, True, META)
+    return acc, acc_up
+
+
+@gluon.jit
+def _block_scale(a_scale_ptrs, b_scale_at, kk, k_tiles):
+    """a_scale * b_scale of K block kk per row; zero for a padding step past the last block."""
+    g = gl.minimum(kk, k_tiles - 1)
+    return gl.load(a_scale_ptrs + g) * (gl.load(b_scale_at + g) * (kk < k_tiles).to(gl.float32))
+
+
+@gluon.jit
+def _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scale_at, up_scale_at,
+                         META: gl.constexpr):
+    """fp8 acc over all K blocks, each block's wgmma (gate-up: the gate's, then the up's, into the same
+    registers) waited for and promoted before the next is issued."""
+    acc = zero
+    acc_up = zero
+    t = zero
+    for kk in range(k_tiles):
+        pos = pos0 + kk * stride
+        s = _block_scale(a_scale_ptrs, b_scale_at, kk, k_tiles)
+        if META.gate_up:
+            s_up = _block_scale(a_scale_ptrs, up_scale_at, kk, k_tiles)
+        t = warpgroup_mma_wait(0, deps=(_issue(ring, pos, t, False, False, META), ))
+        acc = _pinned(acc + t * s[:, None])
+        if META.gate_up:
+            t = warpgroup_mma_wait(0, deps=(_issue(ring, pos, t, True, False, META), ))
+            acc_up = _pinned(acc_up + t * s_up[:, None])
+        _release(ring, pos, True, META)
+    return acc, acc_up
+
+
+@gluon.jit
+def _mainloop_fp8_paired(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs, b_scale_at, up_scale_at,
+                         META: gl.constexpr):
+    """fp8 acc over all K blocks, two per iteration: both blocks' wgmma issued, the first's promoted while
+    the second's run, then the second's; no wgmma is left in flight across iterations."""
+    acc = zero
+    acc_up = zero
+    t_a = zero
+    u_a = zero
+    t_b = zero
+    u_b = zero
+    for kk in range(0, steps, 2):
+        pos_a = pos0 + kk * stride
+        pos_b = pos_a + stride
+        s_a = _block_scale(a_scale_ptrs, b_scale_at, kk, k_tiles)
+        s_b = _block_scale(a_scale_ptrs, b_scale_at, kk + 1, k_tiles)
+        if META.gate_up:
+            su_a = _block_scale(a_scale_ptrs, up_scale_at, kk, k_tiles)
+            su_b = _block_scale(a_scale_ptrs, up_scale_at, kk + 1, k_tiles)
+            t_a = _issue(ring, pos_a, t_a, False, False, META)
+            u_a = _issue(ring, pos_a, u_a, True, False, META)
+            t_b = _issue(ring, pos_b, t_b, False, False, META)
+            u_b = _issue(ring, pos_b, u_b, True, False, META)
+            t_a, u_a, t_b, u_b = warpgroup_mma_wait(2, deps=(t_a, u_a, t_b, u_b))
+            _release(ring, pos_a, True, META)
+            acc = _pinned(acc + t_a * s_a[:, None])
+            acc_up = _pinned(acc_up + u_a * su_a[:, None])
+            t_b, u_b = warpgroup_mma_wait(0, deps=(t_b, u_b))
+            _release(ring, pos_b, True, META)
+            acc = _pinned(acc + t_b * s_b[:, None])
+            acc_up = _pinned(acc_up + u_b * su_b[:, None])
+        else:
+            t_a = _issue(ring, pos_a, t_a, False, False, META)
+            t_b = _issue(ring, pos_b, t_b, False, False, META)
+            t_a, t_b = warpgroup_mma_wait(1, deps=(t_a, t_b))
+            _release(ring, pos_a, True, META)
+            acc = _pinned(acc + t_a * s_a[:, None])
+            t_b = warpgroup_mma_wait(0, deps=(t_b, ))
+            _release(ring, pos_b, True, META)
+            acc = _pinned(acc + t_b * s_b[:, None])
+    return acc, acc_up
+
+
+@gluon.jit
+def _ws_consume(ring, args, CONSUMER: gl.constexpr, META: gl.constexpr):
+    """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ..."""
+    (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl,
+     stride_bsn, G_A, G_C) = args
+    W: gl.constexpr = gl.num_warps()
+    BITS: gl.constexpr = ring[0].dtype.primitive_bitwidth
+    BLOCK_M: gl.constexpr = META.block_m
+    BLOCK_N: gl.constexpr = META.block_n
+    mma: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, W, BITS)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    CONSUMERS: gl.constexpr = 1 if META.schedule == 0 else 2
+
+    e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
+    num_tiles_m = gl.sum(tiles, 0)
+    num_tiles_n = gl.cdiv(N, META.block_n)
+    total = num_tiles_m * num_tiles_n
+    k_tiles = gl.cdiv(K, META.block_k)
+    steps = _k_steps(K, META)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
+    zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
+    for j in range(CONSUMER, n_mine, CONSUMERS):
+        expert, row0, row_end, pid_n = _tile_coords(pid + j * nprog, e, base, count, tiles, tiles_end,
+                                                    num_tiles_m, num_tiles_n, META.group_m, META.block_m)
+        pos0, stride = _ring_slot(j, n_mine, steps, META)
+        offs_m = row0 + gl.arange(0, BLOCK_M, layout=rows_l)
+        m_mask = offs_m < row_end
+        if META.fp8:
+            rows_a = gl.minimum(offs_m, R - 1).to(gl.int64)  # rows past the expert's end: read, never stored
+            a_scale_ptrs = a_scale_ptr + rows_a * G_A
+            b_scale_at = (b_scale_ptr + expert.to(gl.int64) * stride_bsl
+                          + (pid_n * META.block_n // _SCALE_GROUP) * stride_bsn)
+            up_scale_at = b_scale_at + (N // _SCALE_GROUP) * stride_bsn
+            if META.pipe_mma:
+                acc, acc_up = _mainloop_fp8_paired(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs,
+                                                   b_scale_at, up_scale_at, META)
+            else:
+                acc, acc_up = _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scale_at,
+                                                   up_scale_at, META)
+        else:
+            acc, acc_up = _mainloop_16bit(ring, pos0, stride, k_tiles, zero, META)
+
+        if META.gate_up:
+            acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+        if META.has_row_scale:
+            acc = acc * gl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
+        rows_c = offs_m.to(gl.int64)
+        c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
+        c_mask = m_mask[:, None] & (offs_n < N)[None, :]
+        if META.quant_out:
+            # One scale group per column tile (block_n == 128, N a multiple of it), as `quantize_act`.
+            scale = gl.div_rn(gl.maximum(gl.max(gl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
+            q = gl.minimum(gl.maximum(gl.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            gl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
+            gl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
+        else:
+            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# Sizes that do not shape the code are not specialized on (one binary serves every expert count).
+@gluon.jit(do_not_specialize=["L", "SLOT_ROWS", "R", "stride_bsl", "stride_bsn", "G_A", "G_C"])
+def _ws_gemm_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
+                    L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C, META: gl.constexpr):
+    """C[rows of l] = A[rows of l] @ B[l]^T (gate-up: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of
+    B[l]), as `grouped_gemm._grouped_gemm_kernel`: A through a_desc ([R, K], block [block_m, block_k]),
+    B through b_desc (B as [L * N (x2), K], block [block_n, block_k]), C [R, N] by pointers."""
+    gl.static_assert(not META.fp8 or META.block_k == _SCALE_GROUP, "fp8 needs block_k == 128 (one scale group)")
+    gl.static_assert(not META.fp8 or _SCALE_GROUP % META.block_n == 0, "fp8 needs block_n to divide 128")
+    gl.static_assert(not META.quant_out or (META.gate_up and META.fp8 and META.block_n == _SCALE_GROUP),
+                     "fp8 h output needs the gate-up fp8 kernel with block_n == 128")
+    gl.static_assert(META.schedule == 0 or gl.num_warps() == 4, "two consumers have 4 warps each")
+    STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if META.gate_up:
+        bu_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    else:
+        bu_bufs = b_bufs
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    ring = (a_bufs, b_bufs, bu_bufs, ready, empty)
+    args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
+            stride_bsl, stride_bsn, G_A, G_C)
+    if META.schedule == 0:
+        gl.warp_specialize([(_ws_consume, (ring, args, 0, META)), (_ws_load, (a_desc, b_desc, ring, args, META))],
+                           [LOADER_WARPS], [LOADER_REGS])
+    else:
+        gl.warp_specialize([(_ws_consume, (ring, args, 0, META)), (_ws_consume, (ring, args, 1, META)),
+                            (_ws_load, (a_desc, b_desc, ring, args, META))],
+                           [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: int, *, gate_up: bool,
+              block_n: int, block_k: int, gathered: bool) -> bool:
+    """Whether this kernel can run a launch (else the pointer kernel does): a Hopper GPU; A read in order
+    (no row index); 16-bit or fp8 A and B of one dtype (fp8 x quantized before); TMA-aligned rows; K > 0;
+    at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one weight scale per column tile (gate-up:
+    F a multiple of 128, so that the up half's scale blocks line up too)."""
+    if gathered or not a.is_cuda or not _is_hopper(a.device.index):
+        return False
+    if a.dtype not in _GL_DTYPES or w.dtype != a.dtype or not (_tma_ready(a) and _tma_ready(w)):
+        return False
+    K, N = a.shape[1], out.shape[1]
+    if K == 0 or num_experts > MAX_EXPERTS:
+        return False
+    if w.dtype == FP8_DTYPE:
+        return block_k == FP8_BLOCK and FP8_BLOCK % block_n == 0 and (not gate_up or N % FP8_BLOCK == 0)
+    return True
+
+
+def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, out_scale, row_scale, *,
+           gate_up: bool, cfg, programs: int) -> None:
+    """Launch the kernel for one grouped GEMM (operands checked by the caller, `supported` true).
+
+    a [R, K] and w [L, N (x2 for gate-up), K] in one dtype (fp8: a_scale [R, G], w_scale [L, ., G]);
+    out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
+    offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM).
+    """
+    R, N = out.shape
+    K = a.shape[1]
+    L = w.shape[0]
+    fp8 = w.dtype == FP8_DTYPE
+    dt = _GL_DTYPES[a.dtype]
+    a_block, b_block = [cfg.block_m, cfg.block_k], [cfg.block_n, cfg.block_k]
+    a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, dt))
+    b_desc = TensorDescriptor.from_tensor(w.view(-1, K), b_block, gl.NVMMASharedLayout.get_default_for(b_block, dt))
+    meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gate_up=gate_up, fp8=fp8,
+                pipe_mma=cfg.pipe_mma, quant_out=out_scale is not None, has_row_scale=row_scale is not None,
+                lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
+                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
+    dummy = out  # placeholder pointer for arguments a variant does not read
+    _ws_gemm_kernel[(programs, )](
+        a_desc, b_desc, a_scale if fp8 else dummy, w_scale if fp8 else dummy, out,
+        out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
+        L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
+        num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
