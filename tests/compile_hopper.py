@@ -149,6 +149,13 @@ def ws_jobs() -> list:
     return [("ws", op, fp8, cfg.to_dict()) for op, fp8, cfg in out]
 
 
+# Table entries whose spills are measured and kept: under triton 3.6's ptxas the fp8 gate-up over rows read
+# through an index with 128x128x128 tiles spills 24 B, and still ran 747 TFLOP/s on the H200 against 605 for
+# the largest tile that does not spill (64x128x128; DeepSeek-V3, 128 rows per expert, `epmoe bench experts
+# --tune`). (op, dtype, (block_m, block_n, block_k, num_warps, num_stages)) -> bytes allowed.
+MEASURED_SPILLS_B = {("gate_up", "fp8e4nv", (128, 128, 128, 8, 3)): 24}
+
+
 def pointer_jobs() -> list:
     from epmoe.kernels import configs
     jobs = [("pointer", op, dtype, bound, False) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
@@ -178,6 +185,9 @@ def run_job(job) -> tuple[str, list[str]]:
         serialized = False
         check_spills = dtype != "fp32"  # float32 is a correctness path, not a fast one
     spills, shared = spill_bytes(kernel), kernel.metadata.shared
+    if job[0] != "ws":
+        tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        spills = max(0, spills - MEASURED_SPILLS_B.get((op, dtype, tiles), 0))
     failures = []
     if shared > SMEM_LIMIT:
         failures.append(f"{tag}: {shared} B of shared memory")

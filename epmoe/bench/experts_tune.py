@@ -69,15 +69,13 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 # hold too few registers (triton 3.6's ptxas spills) for the fp8 gate-up's 128-column h tiles (h
 # quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results.
 WS_CANDIDATES = {
-    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("pingpong", 64, 128, 64, 5),
-                         _ws("interleaved", 64, 128, 64, 5), _ws("pingpong", 128, 64, 64, 6)),
+    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("interleaved", 64, 128, 64, 5)),
     ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 128, 64, 6),
-                      _ws("pingpong", 128, 128, 64, 6), _ws("interleaved", 128, 128, 64, 6),
-                      _ws("pingpong", 64, 256, 64, 5)),
+                      _ws("interleaved", 128, 128, 64, 6)),
     ("gate_up", True): (_ws("cooperative", 64, 128, 128, 5, pipe=True), _ws("cooperative", 128, 128, 128, 4),
                         _ws("interleaved", 64, 64, 128, 8)),
     ("down", True): (_ws("cooperative", 128, 128, 128, 6, pipe=True), _ws("cooperative", 128, 128, 128, 6),
-                     _ws("interleaved", 64, 128, 128, 8), _ws("pingpong", 64, 128, 128, 8)),
+                     _ws("interleaved", 64, 128, 128, 8)),
 }
 # Pointer-kernel candidates beside the committed entry: one 128-row tile per expert at 128 rows (each
 # weight tile read once).
@@ -102,7 +100,7 @@ def candidates(op: str, fp8: bool, bound: int, indexed: bool = False) -> list[Ge
     return out + [c for c in pool if c not in out]
 
 
-_SHORT = {"cooperative": "coop", "pingpong": "ping", "interleaved": "intl"}
+_SHORT = {"cooperative": "coop", "interleaved": "intl"}
 
 
 def describe(cfg: GemmConfig) -> str:

@@ -8,10 +8,8 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
 - a loader partition walks the program's tiles and streams A [BLOCK_M, BLOCK_K] and B [BLOCK_N, BLOCK_K]
   tiles (gate-up: the gate tile and the up tile) through TMA into a ring of `stages` shared-memory
   stages, each guarded by a `ready` and an `empty` mbarrier;
-- consumers issue the wgmma and run the epilogue, on one of three schedules (`SCHEDULES`):
+- consumers issue the wgmma and run the epilogue, on one of two schedules (`SCHEDULES`):
   "cooperative": one consumer of 8 warps (two warp groups, 64 or more rows each) takes every tile;
-  "pingpong": two consumers of 4 warps take alternate tiles, the ring filled tile after tile, so that
-  one's epilogue runs while the other's MMAs do;
   "interleaved": two consumers of 4 warps, the ring filled a K block of one's tile then of the other's,
   so that both multiply at once and each one's CUDA-core work (the fp8 promotion) runs beside the
   other's MMAs.
@@ -45,7 +43,7 @@ from ..quant import FP8_DTYPE, num_groups
 from .quant import FP8_MAX_C, MIN_AMAX_C
 from .tile_map import tile_coords
 
-SCHEDULES = {"cooperative": 0, "pingpong": 1, "interleaved": 2}
+SCHEDULES = {"cooperative": 0, "interleaved": 1}
 # Warps of the loader (one thread issues its TMA copies; four warps share out the tile map's lanes),
 # registers per thread of the loader and of the second consumer; the first consumer (the default
 # partition) gets what is left of the block's budget, 65536 registers over the three warp groups.
@@ -139,10 +137,10 @@ def _k_steps(K, META: gl.constexpr):
 @gluon.jit
 def _ring_slot(j, n_mine, steps, META: gl.constexpr):
     """(first ring position, stride) of the K blocks of this program's j-th tile (of n_mine): tile after
-    tile, or (interleaved) the two tiles of a pair alternating block by block, a pair's lone tile alone."""
+    tile (cooperative), or (interleaved) the two tiles of a pair alternating block by block, a pair's lone tile alone."""
     pos0 = j * steps
     stride = pos0 * 0 + 1
-    if META.schedule == 2:
+    if META.schedule == 1:
         full = ((j // 2) * 2 + 1 < n_mine).to(gl.int32)
         pos0 = (j // 2) * 2 * steps + full * (j % 2)
         stride = 1 + full
@@ -181,7 +179,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     k_tiles = gl.cdiv(K, META.block_k)
     steps = _k_steps(K, META)
     b_rows_per_expert = (2 if META.gate_up else 1) * N
-    if META.schedule == 2:
+    if META.schedule == 1:
         n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
         for p in range(gl.cdiv(n_mine, 2)):
             tile = pid + 2 * p * nprog
