@@ -22,6 +22,8 @@ from ..layer import FusedMoE
 from .backend import DEFAULT_MAX_TOKENS, check_inference, compute_dtype, moe_layer, run_moe, weights_key
 from .experts import experts_weights
 
+# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SHARED = "_epmoe_dispatchers"  # on the EP mesh: (E, D, F, quant, K, dtype) -> the dispatcher its layers share
 
 
@@ -65,5 +67,5 @@ class EpmoeEP(EPImplementation):
         mine = out_TD.new_zeros(rows, D)
         mine[:hi - lo] = out_TD
         gathered = out_TD.new_empty(rows * self.tp_size, D)
-        dist.all_gather_into_tensor(gathered, mine, group=self.tp_group)
+        _all_gather(gathered, mine, group=self.tp_group)
         return gathered[:T]
