@@ -50,9 +50,9 @@ def case_families(ctx, families, dtype, batch, options: EPOptions) -> None:
     and equal greedy tokens; bf16 every MoE call within its tolerance of the eager experts (fp32 math, same
     inputs). Prefill calls go through options.dispatcher, decode calls through options.decode_dispatcher."""
     B, S = batch[ctx.rank % len(batch)], 3 + ctx.rank
-    ids = hf_models.prompts(ctx.rank, B, S)
+    ids = hf_models.prompts(ctx.rank, B, S).to(ctx.device)
     for family in families:
-        model = hf_models.tiny_model(family, dtype=dtype)
+        model = hf_models.tiny_model(family, dtype=dtype).to(ctx.device)
         exact = dtype == torch.float32
         ref = hf_models.greedy(model, ids, NEW) if B and exact else None
         full = None if exact else dict(copy.deepcopy(model).float().named_modules())  # same weights, fp32 math

@@ -33,8 +33,8 @@ def _epmoe_copy(model):
     return out
 
 
-@pytest.mark.parametrize("family", hf_models.FAMILIES)
-@pytest.mark.parametrize("batch,length", [(1, 1), (3, 7)])
+@pytest.mark.parametrize("family,batch,length", [(f, 3, 7) for f in hf_models.FAMILIES] +
+                         [("qwen3_moe", 1, 1), ("deepseek_v3", 1, 1)])
 def test_backend_fp32_matches_eager(family, batch, length):
     """fp32: the logits of every generated position within 1e-5 of transformers' eager experts, the same
     greedy tokens."""
@@ -124,8 +124,9 @@ def test_gpt_oss_and_other_activations_refused():
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v2"])
 def test_save_pretrained_round_trip(family, tmp_path):
     """A model that ran on epmoe saves exactly what transformers saves (no epmoe tensors), and loads back,
-    with transformers (experts_implementation="epmoe") and with epmoe.hf.from_pretrained, to the same logits."""
-    model = hf_models.tiny_model(family)
+    with transformers (experts_implementation="epmoe") and with epmoe.hf.from_pretrained, to the same logits
+    (Qwen3-MoE with tied embeddings: no lm_head in the checkpoint)."""
+    model = hf_models.tiny_model(family, tie_word_embeddings=family == "qwen3_moe")
     ids = hf_models.prompts(0, 2, 6)
     with torch.no_grad():
         ref = model(ids).logits
@@ -212,6 +213,33 @@ def test_presets_have_the_real_shapes():
     assert (config.num_hidden_layers, config.first_k_dense_replace) == (2, 1)
     with pytest.raises(ValueError, match="unknown preset 'llama'"):
         preset_config("llama")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_backend_on_gpu(family, quant):
+    """On a GPU (Triton or grouped_mm experts by "auto"; fp8: Triton fp8_block): every MoE call within its
+    precision's tolerance of eager experts on the same inputs (fp32 math on the same weights, fp8 ones
+    dequantized); expert_parallel on one rank with the Triton experts likewise."""
+    model = hf_models.tiny_model(family, dtype=torch.bfloat16, hidden=256, inter=128).cuda()
+    if quant == "fp8":
+        model = quantize_experts(model)
+    reference = copy.deepcopy(model).float() if quant is None else \
+        dequantize_experts(model, hf_models.tiny_model(family, hidden=256, inter=128).cuda())
+    reference.set_experts_implementation("eager")
+    precision = "bf16" if quant is None else "fp8_block"
+    for make_epmoe in (lambda m: m.set_experts_implementation("epmoe"),
+                       lambda m: epmoe.hf.expert_parallel(m, None, options=EPOptions(experts="triton"))):
+        ours = copy.deepcopy(model)
+        make_epmoe(ours)
+        calls = ExpertsCalls(ours)
+        hf_models.greedy(ours, hf_models.prompts(0, 3, 9).cuda(), NEW, run=lambda m, x, **kw: m.generate(x, **kw))
+        calls.close()
+        with torch.no_grad():
+            errors = [rel_error(out, dict(reference.named_modules())[name](x.float(), i, w.float()))
+                      for name, x, i, w, out in calls.calls]
+        assert len(errors) == NEW * len(experts_modules(model)) and max(errors) <= TOLERANCES[precision], errors
 
 
 def test_ep_implementation_registered():

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
+from ..interfaces import Dispatcher
 from ..layer import FusedMoE
 from .experts import ExpertsWeights, describe, experts_weights
 
@@ -23,7 +24,7 @@ DEFAULT_MAX_TOKENS = 4096
 
 
 def moe_layer(local: ExpertsWeights, *, num_experts: int, top_k: int, dtype: torch.dtype,
-              group: dist.ProcessGroup | None, dispatcher: str | object, experts: str,
+              group: dist.ProcessGroup | None, dispatcher: str | Dispatcher, experts: str,
               max_tokens_per_rank: int, device: torch.device) -> FusedMoE:
     """A FusedMoE over `group` holding this rank's experts `local` (views, no copy: the layer's experts
     keep the tensors they are given when their dtype and device already match, as here).

@@ -1,7 +1,8 @@
 """`epmoe generate --bench`: whole-model steps and the MoE layers' own time, epmoe against transformers.
 
 For each preset (or the `--model` folder, unquantized) and precision, on every rank's own device:
-- a prefill step: one forward of `--bench-prefill` tokens (one sequence, no cache);
+- a prefill step: one forward of `--bench-prefill` tokens (one sequence, no cache, the last position's
+  logits, as generation asks for);
 - a decode-sized step: one forward of `--bench-decode` single tokens continuing a one-token cache (a decode
   call: the decode dispatcher under expert parallelism);
 first through transformers' `grouped_mm` experts (the model alone on the device), then through epmoe (one
@@ -85,24 +86,26 @@ def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> dict
     decode_ids = torch.randint(vocab, (spec.bench_decode, 1), generator=g).to(device)
     cache_name = _cache_kwarg(model)
     results = {}
-    with torch.no_grad():
-        cache = getattr(model(decode_ids, use_cache=True), cache_name)  # one token per sequence
-        steps = {"prefill": lambda: model(prefill_ids, use_cache=False),
-                 "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
-        for name, step in steps.items():
-            step_ms, moe_ms = [], []
-            for i in range(spec.warmup + spec.repeats):
-                sync(device)
-                moe.take()
-                start = clock.mark()
-                step()
-                end = clock.mark()
-                sync(device)
-                if i >= spec.warmup:
-                    step_ms.append(clock.ms(start, end))
-                    moe_ms.append(moe.take())
-            results[name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
-    moe.close()
+    try:
+        with torch.no_grad():
+            cache = getattr(model(decode_ids, use_cache=True), cache_name)  # one token per sequence
+            steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
+                     "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
+            for name, step in steps.items():
+                step_ms, moe_ms = [], []
+                for i in range(spec.warmup + spec.repeats):
+                    sync(device)
+                    moe.take()
+                    start = clock.mark()
+                    step()
+                    end = clock.mark()
+                    sync(device)
+                    if i >= spec.warmup:
+                        step_ms.append(clock.ms(start, end))
+                        moe_ms.append(moe.take())
+                results[name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
+    finally:
+        moe.close()
     return results
 
 

@@ -37,6 +37,8 @@ class TensorSource(Protocol):
 
     def __contains__(self, key: str) -> bool: ...
 
+    def shape_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype]: ...
+
     def get(self, key: str) -> torch.Tensor: ...
 
     def rows(self, key: str, lo: int, hi: int) -> torch.Tensor: ...
@@ -50,6 +52,10 @@ class StateDictSource:
 
     def __contains__(self, key: str) -> bool:
         return key in self.state_dict
+
+    def shape_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        t = self.state_dict[key]
+        return tuple(t.shape), t.dtype
 
     def get(self, key: str) -> torch.Tensor:
         return self.state_dict[key]
@@ -115,6 +121,10 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def shape_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        entry = self._entries[key]
+        return entry.shape, entry.dtype
+
     def get(self, key: str) -> torch.Tensor:
         entry = self._entries[key]
         return self.rows(key, 0, entry.shape[0]) if entry.shape else self._read(entry, 0, ())
@@ -156,21 +166,23 @@ def _per_expert(source: TensorSource, prefix: str, lo: int, hi: int) -> ExpertsW
     else:
         return None
 
-    def get(e: int, name: str, suffix: str = "weight") -> torch.Tensor:
+    def key(e: int, name: str, suffix: str = "weight") -> str:
         key = f"{prefix}.{e}.{name}.{suffix}"
         if key not in source:
             raise ValueError(f"the checkpoint has no {key!r}")
-        return source.get(key)
+        return key
 
-    first = get(lo, gate)
-    F, D = first.shape
-    w13 = first.new_empty(hi - lo, 2 * F, D)
-    w2 = first.new_empty(hi - lo, D, F)
+    def get(e: int, name: str, suffix: str = "weight") -> torch.Tensor:
+        return source.get(key(e, name, suffix))
+
+    (F, D), dtype = source.shape_dtype(key(lo, gate))
+    w13 = torch.empty(hi - lo, 2 * F, D, dtype=dtype)
+    w2 = torch.empty(hi - lo, D, F, dtype=dtype)
     scaled = f"{prefix}.{lo}.{gate}.weight_scale_inv" in source
     if scaled:
-        s_first = get(lo, gate, "weight_scale_inv")
-        w13_scale = torch.empty(hi - lo, 2 * s_first.shape[0], s_first.shape[1])
-        w2_scale = torch.empty(hi - lo, *get(lo, down, "weight_scale_inv").shape)
+        (gate_blocks, cols), _ = source.shape_dtype(key(lo, gate, "weight_scale_inv"))
+        w13_scale = torch.empty(hi - lo, 2 * gate_blocks, cols)
+        w2_scale = torch.empty(hi - lo, *source.shape_dtype(key(lo, down, "weight_scale_inv"))[0])
     for i, e in enumerate(range(lo, hi)):  # one expert's tensors at a time: no stacked temporaries
         w13[i, :F], w13[i, F:], w2[i] = get(e, gate), get(e, up), get(e, down)
         if scaled:

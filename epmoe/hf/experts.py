@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.activations import SiLUActivation
+from transformers.integrations.finegrained_fp8 import FP8Experts
+from transformers.integrations.moe import _default_apply_gate
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_weight_ref, num_groups
@@ -40,9 +42,6 @@ def _gating(module: torch.nn.Module) -> str | None:
     """None when the module gates as act_fn(gate) * up (transformers' default `_apply_gate`), else what it does
     instead. FP8Experts has its own `_apply_gate`: the default one unless a clamping or soft-capping option
     is set."""
-    from transformers.integrations.finegrained_fp8 import FP8Experts
-    from transformers.integrations.moe import _default_apply_gate
-
     if isinstance(module, FP8Experts):
         options = [name for name in _FP8_GATE_OPTIONS if getattr(module, name, None) is not None]
         return f"a clamped or soft-capped gate ({', '.join(options)})" if options else None

@@ -93,6 +93,7 @@ def _load(path: str | os.PathLike, rank: int, world: int, dtype: torch.dtype | N
     if fp8:
         del config.quantization_config
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # configs may name it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     modules = experts_modules(model)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..interfaces import Dispatcher
 from ..layer import FusedMoE
 from ..symm import group_rank_world
 from .backend import DEFAULT_MAX_TOKENS, check_inference, moe_layer, run_moe
@@ -119,6 +120,11 @@ def _phase_hook(phase: Phase):
     return hook
 
 
+def _refuse_parallel(model: torch.nn.Module) -> None:
+    if _PHASE in model.__dict__:
+        raise ValueError(f"{type(model).__name__} is expert-parallel already")
+
+
 def install(model: torch.nn.Module, group: dist.ProcessGroup | None,
             local: dict[str, tuple[torch.nn.Module, ExpertsWeights, int]], options: EPOptions,
             device: torch.device) -> torch.nn.Module:
@@ -128,14 +134,13 @@ def install(model: torch.nn.Module, group: dist.ProcessGroup | None,
     set up shared buffers): every rank calls it with the same modules in the same order. The layers of one
     phase and shape share one dispatcher.
     """
-    if _PHASE in model.__dict__:
-        raise ValueError(f"{type(model).__name__} is expert-parallel already")
+    _refuse_parallel(model)
     phase = Phase(ranks=group_rank_world(group)[1])
     top_k, dtype = top_k_of(model), activation_dtype(model)
     limits = {"prefill": options.max_tokens_per_rank,
               "decode": options.decode_max_tokens_per_rank or options.max_tokens_per_rank}
     names = {"prefill": options.dispatcher, "decode": options.decode_dispatcher}
-    dispatchers: dict[tuple, object] = {}  # (phase, E, D, F, quant) -> the dispatcher its layers share
+    dispatchers: dict[tuple, Dispatcher] = {}  # (phase, E, D, F, quant) -> the dispatcher its layers share
 
     def layer(which: str, weights: ExpertsWeights, num_experts: int) -> FusedMoE:
         key = (which, num_experts, *weights.shape[1:], weights.quant)
@@ -178,17 +183,21 @@ def expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None, *,
     Returns the model. Collective: every rank calls it. Run it with `epmoe.hf.generate` (synced; a rank
     may hold no prompts) or with forwards that every rank makes together.
     """
+    _refuse_parallel(model)
     rank, world = group_rank_world(group)
+    everything = {name: (module, experts_weights(module)) for name, module in experts_modules(model)}
+    for name, (module, weights) in everything.items():  # every check before any change
+        if weights.shape[0] % world:
+            raise ValueError(f"{describe(module)} ({name}): its {weights.shape[0]} experts do not divide over "
+                             f"{world} ranks")
     local = {}
-    for name, module in experts_modules(model):
-        weights = experts_weights(module)
+    for name, (module, weights) in everything.items():
         E = weights.shape[0]
-        if E % world:
-            raise ValueError(f"{describe(module)} ({name}): its {E} experts do not divide over {world} ranks")
         L = E // world
         mine = weights.experts(rank * L, (rank + 1) * L).clone()
         set_local_experts(module, mine)
         local[name] = (module, mine, E)
+    del everything
     device = next(iter(local.values()))[1].w13_END.device
     return install(model, group, local, options, device)
 
@@ -220,10 +229,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     """
     phase = phase_of(model)
     if "synced_gpus" in generate_kwargs:
-        raise ValueError("epmoe.hf.generate always runs with synced_gpus=True; do not pass synced_gpus")
-    if input_ids.shape[0] or phase.ranks == 1:
+        raise ValueError("epmoe.hf.generate sets synced_gpus itself (True over several ranks): do not pass it")
+    if input_ids.shape[0]:
         return model.generate(input_ids, attention_mask=attention_mask, synced_gpus=phase.ranks > 1,
                               **generate_kwargs)
+    if phase.ranks == 1:
+        return input_ids
     stand_in = torch.zeros((1, 1), dtype=input_ids.dtype, device=input_ids.device)
     phase.idle = True
     try:
