@@ -17,8 +17,8 @@ import torch.distributed as dist
 import epmoe.hf
 import hf_models
 from epmoe.hf.parallel import EPOptions, experts_modules
-from epmoe.hf.run import ExpertsCalls
-from epmoe.testing import TOLERANCES, rel_error
+from epmoe.hf.run import TOLERANCES, ExpertsCalls
+from epmoe.testing import rel_error
 
 NEW = 4
 _failures: list[str] = []

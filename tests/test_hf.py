@@ -20,8 +20,8 @@ from epmoe.hf import config_from_hf, expert_weights  # noqa: E402
 from epmoe.hf.checkpoint import Checkpoint, read_experts  # noqa: E402
 from epmoe.hf.fp8 import dequantize_experts, quantize_experts  # noqa: E402
 from epmoe.hf.parallel import EPOptions, experts_modules  # noqa: E402
-from epmoe.hf.run import ExpertsCalls  # noqa: E402
-from epmoe.testing import TOLERANCES, rel_error  # noqa: E402
+from epmoe.hf.run import TOLERANCES, ExpertsCalls  # noqa: E402
+from epmoe.testing import rel_error  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 NEW = 5

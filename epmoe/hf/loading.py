@@ -30,7 +30,7 @@ from .parallel import EPOptions, experts_modules, install, set_local_experts
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
-def _fp8_checkpoint(config) -> bool:
+def fp8_checkpoint(config) -> bool:
     """Whether the config describes a block-128 fp8 checkpoint epmoe runs; ValueError for other quantizations."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
@@ -89,7 +89,7 @@ def _load(path: str | os.PathLike, rank: int, world: int, dtype: torch.dtype | N
     modules' parameters; returns (model, {name: (experts module, its ExpertsWeights, E)}). `dequantize`:
     fp8 experts are dequantized into the model's dtype."""
     config = AutoConfig.from_pretrained(path)
-    fp8 = _fp8_checkpoint(config)
+    fp8 = fp8_checkpoint(config)
     if fp8:
         del config.quantization_config
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
