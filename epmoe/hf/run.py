@@ -11,7 +11,8 @@ layer's output against the eager experts on the same inputs (relative L2 error w
 logits of the generated positions up to the first differing token, and the greedy tokens (in fp32 both
 required to agree). `--bench`: see `epmoe.hf.bench`.
 
-Shape letters: B prompts of this rank, S prompt length, N new tokens, V vocabulary.
+Shape letters: B prompts of this rank, S prompt length, N new tokens, T = S + N, V vocabulary, D hidden size,
+K top-k.
 """
 from __future__ import annotations
 
