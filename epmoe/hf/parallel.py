@@ -115,7 +115,8 @@ def top_k_of(model: torch.nn.Module) -> int:
 
 def _phase_hook(phase: Phase):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        cache = kwargs.get("past_key_values")  # transformers 5.24 names it `cache`
+        cache = kwargs.get("cache") if cache is None else cache
         phase.decode = cache is not None and cache.get_seq_length() > 0
     return hook
 
