@@ -121,7 +121,7 @@ def test_gpt_oss_and_other_activations_refused():
         gelu(hf_models.prompts(0, 1, 3))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_save_pretrained_round_trip(family, tmp_path):
     """A model that ran on epmoe saves exactly what transformers saves (no epmoe tensors), and loads back,
     with transformers (experts_implementation="epmoe") and with epmoe.hf.from_pretrained, to the same logits
@@ -188,9 +188,10 @@ def test_fp8_checkpoint_loads_as_is(tmp_path):
         epmoe.hf.from_pretrained(tmp_path / "fp8", device="cpu")
 
 
-@pytest.mark.parametrize("family", hf_models.FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
 def test_expert_parallel_one_rank(family):
-    """expert_parallel with no group: the EP path on one rank (dispatcher local), the same tokens as eager."""
+    """expert_parallel with no group: the EP path on one rank (dispatcher local), the same tokens as eager
+    (every family over 2 and 4 ranks: test_hf_parallel.py)."""
     model = hf_models.tiny_model(family)
     ids = hf_models.prompts(0, 2, 5)
     ref_tokens, ref_logits = hf_models.greedy(model, ids, NEW)
