@@ -3,6 +3,7 @@
     epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp32] [--quant none|fp8_block] [sizes]
     epmoe check [--nproc N] [--device cpu|cuda]
     epmoe bench experts|dispatch|layer|moe ...     (bench dispatch --mode ll -> the low-latency benchmark)
+    epmoe generate --model DIR | --preset NAME [--nproc N] [--check] [--bench] ...   (transformers models)
 
 Every argument and the whole configuration (the layer's MoEConfig, the ranks against the devices) is
 checked here, in the launching process, before any rank starts: a mistake exits with code 2 and one
@@ -146,6 +147,23 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return run_ranks(check_rank, args.device, world_size, (args.seed, tuple(names)))
 
 
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        from .hf.run import generate_rank, spec_from_args
+    except ModuleNotFoundError as e:
+        fail(parser, f"needs transformers and safetensors (pip install 'epmoe[hf]'): {e}")
+    try:
+        spec = spec_from_args(args)
+    except ValueError as e:
+        fail(parser, str(e))
+    if not _under_torchrun() and args.nproc in (None, 1):  # one rank, in this process
+        if args.device == "cuda" and not torch.cuda.is_available():
+            fail(parser, "--device cuda: no CUDA device is visible here (--device cpu runs on the CPU)")
+        device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+        return generate_rank(launch.RankContext(0, 1, device, None), spec)
+    return run_ranks(generate_rank, args.device, launch_world_size(parser, args.device, args.nproc), (spec,))
+
+
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] not in ("experts", "dispatch", "layer", "moe"):
         print("usage: epmoe bench {experts,dispatch,layer,moe} [options]  (dispatch --mode ll: low latency)",
@@ -205,9 +223,42 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated case names to run (default: all; names: epmoe.check.CASES)")
     sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer|moe ... (options go to the benchmark)",
                    add_help=False)
-    for command_parser in (demo, check):
+    generate = sub.add_parser("generate", help="a transformers model (folder or preset) through epmoe: greedy "
+                                               "decoding, tokens/s; --check against transformers; --bench")
+    add_launch_arguments(generate)
+    _add_generate_arguments(generate)
+    for command_parser in (demo, check, generate):
         command_parser.set_defaults(command_parser=command_parser)
     return parser
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """`epmoe generate`'s options (checked by epmoe.hf.run.spec_from_args, which needs transformers)."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint folder (safetensors, config.json)")
+    src.add_argument("--preset", help="random weights at real shapes: qwen3-30b-a3b, deepseek-v2-lite, deepseek-v3, "
+                                      "mixtral-8x7b (epmoe.hf.presets; comma-separated for --bench)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of a preset (default: all)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--quant", default=None, help="none, fp8 or both (none,fp8): fp8 quantizes a preset's "
+                                                      "experts per 128x128 block (default: none; --bench: both)")
+    parser.add_argument("--batch", default="2", help="prompts per rank, or a comma-separated count per rank")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dispatcher", default="auto", help="dispatcher of prefill calls")
+    parser.add_argument("--decode-dispatcher", default=None, help="dispatcher of decode calls (default: the same)")
+    parser.add_argument("--experts", default="auto")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per rank per prefill dispatch")
+    parser.add_argument("--decode-max-tokens", type=int, default=None, help="tokens per rank per decode dispatch")
+    parser.add_argument("--check", action="store_true", help="compare with the unmodified transformers model")
+    parser.add_argument("--bench", action="store_true", help="time prefill and decode-sized steps against "
+                                                             "transformers' grouped_mm experts")
+    parser.add_argument("--bench-prefill", type=int, default=4096, help="--bench: tokens of the prefill step")
+    parser.add_argument("--bench-decode", type=int, default=256, help="--bench: batch of the decode step")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None, help="folder for the JSON results")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return (_demo if args.command == "demo" else _check)(args.command_parser, args)
+    return {"demo": _demo, "check": _check, "generate": _generate}[args.command](args.command_parser, args)
 
 
 if __name__ == "__main__":

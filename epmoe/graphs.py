@@ -63,14 +63,17 @@ class RoutedGraphs:
         device: the GPU.
         pool: a graph memory pool handle (torch.cuda.graph_pool_handle()) to share with other layers'
             graphs that never replay at the same time; default one of its own.
+        max_tokens: the largest call replayed (default `max_bucket(cfg)`; at most that).
     """
 
     def __init__(self, routed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], cfg: MoEConfig,
-                 device: torch.device, pool=None) -> None:
+                 device: torch.device, pool=None, max_tokens: int | None = None) -> None:
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+            raise ValueError(f"graph max_tokens must be an int >= 0, got {max_tokens!r}")
         self._routed = routed
         self.cfg = cfg
         self.device = device
-        self.max_tokens = max_bucket(cfg)
+        self.max_tokens = max_bucket(cfg) if max_tokens is None else min(max_tokens, max_bucket(cfg))
         self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self._graphs: dict[tuple, _Captured] = {}
 

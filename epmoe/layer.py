@@ -60,7 +60,9 @@ class FusedMoE(torch.nn.Module):
             calls of up to `graphs.max_tokens` tokens, where queueing the eager kernels would take the
             host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
             run eagerly (and are captured with it). graph_pool: a graph memory pool handle
-            (torch.cuda.graph_pool_handle()) to share with other layers that never run at the same time.
+            (torch.cuda.graph_pool_handle()) to share with other layers that never run at the same time
+            (a model's MoE layers); graph_max_tokens: the largest call replayed (default: what fits in
+            epmoe.graphs.GRAPH_MAX_BYTES, at most max_tokens_per_rank).
         strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
             refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher
             that checks ids on the device (`local` on a GPU) syncs nothing: a bad id's token gets a NaN
@@ -82,7 +84,7 @@ class FusedMoE(torch.nn.Module):
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
                  experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device: torch.device | str | None = None, strict_ids: bool = False, cuda_graphs: bool = True,
-                 graph_pool=None) -> None:
+                 graph_pool=None, graph_max_tokens: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.strict_ids = strict_ids
@@ -116,7 +118,7 @@ class FusedMoE(torch.nn.Module):
         self._chunks_stream: torch.cuda.Stream | None = None  # made on the first chunk count over NCCL
         self.graphs: RoutedGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync:
-            self.graphs = RoutedGraphs(self._routed, cfg, self.device, pool=graph_pool)
+            self.graphs = RoutedGraphs(self._routed, cfg, self.device, pool=graph_pool, max_tokens=graph_max_tokens)
 
     def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
                      w2_scale: torch.Tensor | None = None) -> None:

@@ -54,6 +54,15 @@ def quantize_weight_ref(w_BNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
+def quantize_weights_ref(w_LNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight_ref of [L, N, K] weights one [N, K] matrix at a time, so the float32 temporaries stay
+    one matrix's size."""
+    pairs = [quantize_weight_ref(w_NK) for w_NK in w_LNK]
+    if not pairs:
+        return quantize_weight_ref(w_LNK)
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def dequantize_weight_ref(q_BNK: torch.Tensor, scale_BNK: torch.Tensor) -> torch.Tensor:
     """Inverse of quantize_weight_ref, float32 [..., N, K]."""
     N, K = q_BNK.shape[-2:]

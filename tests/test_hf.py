@@ -1,12 +1,258 @@
-"""Hugging Face integration: MoEConfig from model configs, and checkpoint expert weights into FusedMoE."""
+"""epmoe.hf on one process: the "epmoe" experts backend against transformers' eager experts for every family
+(fp32, bf16, fp8 checkpoints' FP8Experts), what it refuses, checkpoints read by the slice in every format,
+save_pretrained round trips, expert parallelism on one rank, presets at the real shapes; and the configs and
+state-dict helpers for epmoe's own FusedMoE."""
+import copy
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F_
 
-import epmoe
-from epmoe.hf import config_from_hf, expert_weights
+pytest.importorskip("transformers", reason="epmoe.hf needs transformers (pip install 'epmoe[hf]')")
+
+import epmoe  # noqa: E402
+import epmoe.hf  # noqa: E402
+import hf_models  # noqa: E402
+from epmoe.hf import config_from_hf, expert_weights  # noqa: E402
+from epmoe.hf.checkpoint import Checkpoint, read_experts  # noqa: E402
+from epmoe.hf.fp8 import dequantize_experts, quantize_experts  # noqa: E402
+from epmoe.hf.parallel import EPOptions, experts_modules  # noqa: E402
+from epmoe.hf.run import TOLERANCES, ExpertsCalls  # noqa: E402
+from epmoe.testing import rel_error  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+NEW = 5
+
+
+def _epmoe_copy(model):
+    out = copy.deepcopy(model)
+    out.set_experts_implementation("epmoe")
+    return out
+
+
+@pytest.mark.parametrize("family,batch,length", [(f, 3, 7) for f in hf_models.FAMILIES] +
+                         [("qwen3_moe", 1, 1), ("deepseek_v3", 1, 1)])
+def test_backend_fp32_matches_eager(family, batch, length):
+    """fp32: the logits of every generated position within 1e-5 of transformers' eager experts, the same
+    greedy tokens."""
+    model = hf_models.tiny_model(family)
+    ids = hf_models.prompts(0, batch, length)
+    ref_tokens, ref_logits = hf_models.greedy(model, ids, NEW)
+    tokens, logits = hf_models.greedy(_epmoe_copy(model), ids, NEW)
+    assert rel_error(logits, ref_logits) <= TOLERANCES["fp32"]
+    assert torch.equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("family", hf_models.FAMILIES)
+def test_backend_bf16_layers_match_eager(family):
+    """bf16: every MoE layer's output, on the inputs it was given, within the bf16 tolerance of transformers'
+    eager experts on the same inputs (computed in fp32 on the same bf16 weights)."""
+    model = hf_models.tiny_model(family, dtype=torch.bfloat16)
+    ours = _epmoe_copy(model)
+    calls = ExpertsCalls(ours)
+    hf_models.greedy(ours, hf_models.prompts(0, 3, 6), NEW)
+    calls.close()
+    reference = copy.deepcopy(model).float()
+    modules = dict(reference.named_modules())
+    with torch.no_grad():
+        errors = [rel_error(out, modules[name](x.float(), ids, w.float())) for name, x, ids, w, out in calls.calls]
+    assert len(errors) == (NEW) * len(experts_modules(model))
+    assert max(errors) <= TOLERANCES["bf16"]
+
+
+def test_backend_edge_calls_and_aliasing():
+    """0 tokens, an odd count with skewed routing (every token's first expert the same); the experts view the
+    module's tensors (no copy), see in-place updates, and are rebuilt when a parameter is replaced."""
+    model = hf_models.tiny_model("qwen3_moe")
+    name, module = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 64, generator=g)
+    ids = torch.full((9, 2), 3)
+    ids[:, 1] = torch.arange(9) % 12
+    w = torch.rand(9, 2, generator=g)
+    eager = lambda: type(module).forward.__wrapped__(module, x, ids, w)  # noqa: E731 - the class's own loop
+    with torch.no_grad():
+        assert epmoe.hf.experts_forward(module, x[:0], ids[:0], w[:0]).shape == (0, 64)
+        torch.testing.assert_close(epmoe.hf.experts_forward(module, x, ids, w), eager(), rtol=1e-5, atol=1e-6)
+        moe = module.__dict__["_epmoe_experts"][1]
+        assert moe.experts.w13.data_ptr() == module.gate_up_proj.data_ptr()
+        module.gate_up_proj.mul_(2)
+        torch.testing.assert_close(epmoe.hf.experts_forward(module, x, ids, w), eager(), rtol=1e-5, atol=1e-6)
+        module.down_proj = torch.nn.Parameter(module.down_proj * -1, requires_grad=False)
+        torch.testing.assert_close(epmoe.hf.experts_forward(module, x, ids, w), eager(), rtol=1e-5, atol=1e-6)
+        assert module.__dict__["_epmoe_experts"][1] is not moe
+    with pytest.raises(ValueError, match="inference only"):
+        epmoe.hf.experts_forward(module, x.requires_grad_(), ids, w)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_backend_fp8_experts(family):
+    """transformers' FP8Experts (float8_e4m3fn weights, 128x128 float32 scales) run on epmoe's fp8_block
+    experts as they are: every MoE layer within the fp8 tolerance of eager experts holding the same weights
+    dequantized, the weights never copied."""
+    fp8 = quantize_experts(hf_models.tiny_model(family, hidden=160, inter=128))
+    reference = dequantize_experts(fp8, hf_models.tiny_model(family, hidden=160, inter=128))
+    fp8.set_experts_implementation("epmoe")
+    calls = ExpertsCalls(fp8)
+    hf_models.greedy(fp8, hf_models.prompts(0, 2, 5), NEW)
+    calls.close()
+    errors = calls.errors(reference)
+    assert errors and max(errors) <= TOLERANCES["fp8_block"]
+    _, module = experts_modules(fp8)[0]
+    moe = module.__dict__["_epmoe_experts"][1]
+    assert moe.cfg.quant == "fp8_block" and moe.experts.w13.data_ptr() == module.gate_up_proj.data_ptr()
+
+
+def test_gpt_oss_and_other_activations_refused():
+    """What epmoe cannot compute exactly is refused, naming the model and each reason."""
+    gpt_oss = hf_models.tiny_model("gpt_oss")
+    gpt_oss.set_experts_implementation("epmoe")
+    with torch.no_grad(), pytest.raises(ValueError, match="GptOssExperts.*biases; interleaved gate/up rows; "
+                                                          r"transposed weights \(\[E, D, 2F\]\); its own gating"):
+        gpt_oss(hf_models.prompts(0, 1, 3))
+    with pytest.raises(ValueError, match="cannot run GptOssForCausalLM"):
+        epmoe.hf.expert_parallel(gpt_oss, None)
+    gelu = hf_models.tiny_model("mixtral", hidden_act="gelu")
+    gelu.set_experts_implementation("epmoe")
+    with torch.no_grad(), pytest.raises(ValueError, match="activation GELUActivation"):
+        gelu(hf_models.prompts(0, 1, 3))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_save_pretrained_round_trip(family, tmp_path):
+    """A model that ran on epmoe saves exactly what transformers saves (no epmoe tensors), and loads back,
+    with transformers (experts_implementation="epmoe") and with epmoe.hf.from_pretrained, to the same logits
+    (Qwen3-MoE with tied embeddings: no lm_head in the checkpoint)."""
+    model = hf_models.tiny_model(family, tie_word_embeddings=family == "qwen3_moe")
+    ids = hf_models.prompts(0, 2, 6)
+    with torch.no_grad():
+        ref = model(ids).logits
+        ours = _epmoe_copy(model)
+        ours(ids)
+    model.save_pretrained(tmp_path / "eager")
+    ours.save_pretrained(tmp_path / "ours")
+    assert Checkpoint(tmp_path / "ours").keys() == Checkpoint(tmp_path / "eager").keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", experts_implementation="epmoe")
+    sliced = epmoe.hf.from_pretrained(tmp_path / "ours", device="cpu")
+    with torch.no_grad():
+        for m in (loaded, sliced):
+            assert rel_error(m(ids).logits, ref) <= TOLERANCES["fp32"]
+
+
+def test_checkpoint_formats(tmp_path):
+    """Fused 3-D keys and per-expert keys (DeepSeek/Qwen and Mixtral names) give the same experts; rows are
+    read by the slice."""
+    mixtral = hf_models.tiny_model("mixtral")
+    mixtral.save_pretrained(tmp_path / "per_expert")
+    hf_models.save_fused(mixtral, str(tmp_path / "fused"))
+    keys = Checkpoint(tmp_path / "per_expert").keys()
+    assert "model.layers.1.block_sparse_moe.experts.11.w3.weight" in keys
+    module = mixtral.model.layers[1].mlp.experts
+    for folder, prefix in (("per_expert", "model.layers.1.block_sparse_moe.experts"),
+                           ("fused", "model.layers.1.mlp.experts")):
+        w = read_experts(Checkpoint(tmp_path / folder), ["model.layers.1.mlp.experts", prefix], 4, 8)
+        assert torch.equal(w.w13_END, module.gate_up_proj[4:8]) and torch.equal(w.w2_EDF, module.down_proj[4:8])
+    ids = hf_models.prompts(0, 2, 4)
+    with torch.no_grad():
+        ref = mixtral(ids).logits
+        for folder in ("per_expert", "fused"):
+            assert rel_error(epmoe.hf.from_pretrained(tmp_path / folder, device="cpu")(ids).logits, ref) <= 1e-5
+    with pytest.raises(ValueError, match="no experts 0:12"):
+        read_experts(Checkpoint(tmp_path / "fused"), ["model.layers.1.nope"], 0, 12)
+
+
+def test_fp8_checkpoint_loads_as_is(tmp_path):
+    """An fp8 checkpoint (per-expert float8_e4m3fn weights with weight_scale_inv, an fp8 dense projection):
+    the experts stay fp8 on epmoe's fp8_block experts, the dense weight is dequantized; every MoE layer within
+    the fp8 tolerance of the dequantized model's eager experts on the same inputs."""
+    plain = hf_models.tiny_model("qwen3_moe", hidden=160, inter=128)
+    hf_models.save_fp8(plain, str(tmp_path / "fp8"))
+    model = epmoe.hf.from_pretrained(tmp_path / "fp8", device="cpu")
+    name, module = experts_modules(model)[0]
+    assert module.gate_up_proj.dtype == torch.float8_e4m3fn and module.gate_up_proj_scale_inv.shape == (12, 2, 2)
+    assert model.model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    reference = epmoe.hf.loading.load_dequantized(tmp_path / "fp8", device="cpu")
+    reference.set_experts_implementation("eager")
+    calls = ExpertsCalls(model)
+    hf_models.greedy(model, hf_models.prompts(0, 2, 5), NEW)
+    calls.close()
+    errors = calls.errors(reference)
+    assert len(errors) == NEW * 2 and max(errors) <= TOLERANCES["fp8_block"]
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"weight_block_size \(64, 64\)"):
+        epmoe.hf.from_pretrained(tmp_path / "fp8", device="cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_expert_parallel_one_rank(family):
+    """expert_parallel with no group: the EP path on one rank (dispatcher local), the same tokens as eager
+    (every family over 2 and 4 ranks: test_hf_parallel.py)."""
+    model = hf_models.tiny_model(family)
+    ids = hf_models.prompts(0, 2, 5)
+    ref_tokens, ref_logits = hf_models.greedy(model, ids, NEW)
+    epmoe.hf.expert_parallel(model, None, options=EPOptions(experts="reference"))
+    tokens, logits = hf_models.greedy(model, ids, NEW, run=lambda m, x, **kw: epmoe.hf.generate(m, x, **kw))
+    assert rel_error(logits, ref_logits) <= TOLERANCES["fp32"] and torch.equal(tokens, ref_tokens)
+    with pytest.raises(ValueError, match="expert-parallel already"):
+        epmoe.hf.expert_parallel(model, None)
+
+
+def test_presets_have_the_real_shapes():
+    """The presets' parameter counts at full depth are the published models' (built on the meta device)."""
+    from epmoe.hf.presets import preset_config
+    published = {"qwen3-30b-a3b": 30.5e9, "deepseek-v2-lite": 15.7e9, "deepseek-v3": 671.0e9, "mixtral-8x7b": 46.7e9}
+    for name, count in published.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(preset_config(name))
+        assert sum(p.numel() for p in model.parameters()) == pytest.approx(count, rel=0.005), name
+    config = preset_config("deepseek-v3", layers=2)
+    assert (config.num_hidden_layers, config.first_k_dense_replace) == (2, 1)
+    with pytest.raises(ValueError, match="unknown preset 'llama'"):
+        preset_config("llama")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_backend_on_gpu(family, quant):
+    """On a GPU (Triton or grouped_mm experts by "auto"; fp8: Triton fp8_block): every MoE call within its
+    precision's tolerance of eager experts on the same inputs (fp32 math on the same weights, fp8 ones
+    dequantized); expert_parallel on one rank with the Triton experts likewise."""
+    model = hf_models.tiny_model(family, dtype=torch.bfloat16, hidden=256, inter=128).cuda()
+    if quant == "fp8":
+        model = quantize_experts(model)
+    reference = copy.deepcopy(model).float() if quant is None else \
+        dequantize_experts(model, hf_models.tiny_model(family, hidden=256, inter=128).cuda())
+    reference.set_experts_implementation("eager")
+    precision = "bf16" if quant is None else "fp8_block"
+    for make_epmoe in (lambda m: m.set_experts_implementation("epmoe"),
+                       lambda m: epmoe.hf.expert_parallel(m, None, options=EPOptions(experts="triton"))):
+        ours = copy.deepcopy(model)
+        make_epmoe(ours)
+        calls = ExpertsCalls(ours)
+        hf_models.greedy(ours, hf_models.prompts(0, 3, 9).cuda(), NEW, run=lambda m, x, **kw: m.generate(x, **kw))
+        calls.close()
+        with torch.no_grad():
+            errors = [rel_error(out, dict(reference.named_modules())[name](x.float(), i, w.float()))
+                      for name, x, i, w, out in calls.calls]
+        assert len(errors) == NEW * len(experts_modules(model)) and max(errors) <= TOLERANCES[precision], errors
+
+
+def test_ep_implementation_registered():
+    """epmoe is in transformers' EPImplementationInterface where transformers has one (5.24+)."""
+    try:
+        from transformers.distributed.expert_parallel import EPImplementationInterface
+    except ImportError:
+        pytest.skip("this transformers has no EPImplementationInterface (before 5.24)")
+    assert "epmoe" in EPImplementationInterface()
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    from transformers.integrations.moe import ExpertsInterface
+    assert "epmoe" in ExpertsInterface() and "epmoe" in FP8ExpertsInterface()
 
 
 def test_config_from_deepseek_v3():
@@ -65,5 +311,19 @@ def test_checkpoint_missing_expert_is_refused():
     sd = {f"experts.0.{n}.weight": torch.zeros(2, 2) for n in ("gate_proj", "up_proj", "down_proj")}
     with pytest.raises(ValueError, match="experts.1.gate_proj.weight"):
         expert_weights(sd, "experts.", 2)
-    with pytest.raises(ValueError, match="no expert 0 weights"):
+    with pytest.raises(ValueError, match="no experts 0:2"):
         expert_weights(sd, "model.experts.", 2)
+
+
+def test_checkpoint_reads_only_the_rows_asked_for(tmp_path):
+    """Checkpoint.rows reads the bytes of the rows asked for: a truncated file fails only past them."""
+    from safetensors.torch import save_file
+    t = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    save_file({"t": t}, os.path.join(tmp_path, "model.safetensors"))
+    ckpt = Checkpoint(tmp_path)
+    assert torch.equal(ckpt.rows("t", 1, 3), t[1:3]) and torch.equal(ckpt.get("t"), t)
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 6 * 4)
+    assert torch.equal(Checkpoint(tmp_path).rows("t", 0, 3), t[:3])
+    with pytest.raises(ValueError, match="truncated"):
+        Checkpoint(tmp_path).rows("t", 2, 4)

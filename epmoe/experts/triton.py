@@ -19,15 +19,7 @@ import torch
 
 from ..interfaces import ExpertBatch, Experts, Layout
 from ..kernels.grouped_gemm import ExpertRows, down, gate_up
-from ..quant import FP8_DTYPE, quantize_weight_ref
-
-
-def _quantize_per_expert(w_LNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_weight_ref one expert at a time, so the float32 temporaries stay one expert's size."""
-    pairs = [quantize_weight_ref(w_NK) for w_NK in w_LNK]
-    if not pairs:
-        return quantize_weight_ref(w_LNK)
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+from ..quant import FP8_DTYPE, quantize_weights_ref
 
 
 class TritonExperts(Experts):
@@ -56,8 +48,8 @@ class TritonExperts(Experts):
 
     def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:
         if self.cfg.quant == "fp8_block":
-            self.w13, self.w13_scale = _quantize_per_expert(w13_LND)
-            self.w2, self.w2_scale = _quantize_per_expert(w2_LDF)
+            self.w13, self.w13_scale = quantize_weights_ref(w13_LND)
+            self.w2, self.w2_scale = quantize_weights_ref(w2_LDF)
         else:
             self.w13 = w13_LND.to(self.cfg.dtype).contiguous()
             self.w2 = w2_LDF.to(self.cfg.dtype).contiguous()

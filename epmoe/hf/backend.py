@@ -1,0 +1,117 @@
+"""The "epmoe" experts backend: transformers' experts modules run through a FusedMoE.
+
+`experts_forward` is what `experts_implementation="epmoe"` dispatches to (registered by `epmoe.hf`): the
+model's own router has chosen top-k ids and weights, and the experts module hands them over with its
+tokens. The first call builds one FusedMoE (dispatcher `local`) per experts module, whose experts view
+the module's own weight tensors (gate_up_proj [E, 2F, D] is w13's layout: no copy); it is kept outside
+the module tree (the module's state_dict and `save_pretrained` do not see it) and rebuilt when the
+module's weights are replaced (moved to another device, say) or the call's top-k changes.
+
+Shape letters: T tokens, D hidden size, F expert intermediate size, E experts, L local experts, K top-k.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import MoEConfig
+from ..interfaces import Dispatcher
+from ..layer import FusedMoE
+from .experts import ExpertsWeights, describe, experts_weights
+
+_BINDING = "_epmoe_experts"  # key in an experts module's __dict__ (not a submodule: not in its state_dict)
+DEFAULT_MAX_TOKENS = 4096
+# The backend's layers replay CUDA graphs (epmoe.graphs) for calls of up to this many tokens (decode-sized:
+# where the host would pace the GPU), all layers on a device from one memory pool (a model's layers run one
+# after another): larger calls run eagerly, the GPU's work outlasting the host's.
+GRAPH_MAX_TOKENS = 512
+_graph_pools: dict[torch.device, object] = {}
+
+
+def graph_pool(device: torch.device):
+    """The CUDA graph memory pool the backend's layers on `device` share (made on first use)."""
+    if device not in _graph_pools:
+        _graph_pools[device] = torch.cuda.graph_pool_handle()
+    return _graph_pools[device]
+
+
+def moe_layer(local: ExpertsWeights, *, num_experts: int, top_k: int, dtype: torch.dtype,
+              group: dist.ProcessGroup | None, dispatcher: str | Dispatcher, experts: str,
+              max_tokens_per_rank: int, device: torch.device) -> FusedMoE:
+    """A FusedMoE over `group` holding this rank's experts `local` (views, no copy: the layer's experts
+    keep the tensors they are given when their dtype and device already match, as here).
+
+    Args:
+        local: this rank's L = E / R experts (all E with group None).
+        num_experts: E, the experts of the whole layer.
+        top_k: K of the calls.
+        dtype: the activations' dtype (the weights' for unquantized experts).
+        dispatcher: a dispatcher name or a Dispatcher built for the same config and group (shared by the
+            layers of a model).
+    """
+    E, D, F = num_experts, local.w2_EDF.shape[1], local.w2_EDF.shape[2]
+    cfg = MoEConfig(num_experts=E, top_k=top_k, hidden_size=D, intermediate_size=F, dtype=dtype, quant=local.quant,
+                    max_tokens_per_rank=max_tokens_per_rank)
+    graphs = dict(graph_pool=graph_pool(device), graph_max_tokens=GRAPH_MAX_TOKENS) if device.type == "cuda" else {}
+    moe = FusedMoE(cfg, group, dispatcher=dispatcher, experts=experts, device=device, **graphs)
+    moe.experts.load(local.w13_END, local.w2_EDF, w13_scale=local.w13_scale, w2_scale=local.w2_scale)
+    return moe
+
+
+def check_inference(module: torch.nn.Module, hidden_states_TD: torch.Tensor, top_k_weights_TK: torch.Tensor) -> None:
+    """ValueError when autograd would need gradients through epmoe's experts (they have no backward)."""
+    if torch.is_grad_enabled() and (hidden_states_TD.requires_grad or top_k_weights_TK.requires_grad):
+        raise ValueError(f"{describe(module)}: epmoe's experts run inference only (no backward); call the model "
+                         "under torch.no_grad() or torch.inference_mode()")
+
+
+def run_moe(moe: FusedMoE, hidden_states_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
+            top_k_weights_TK: torch.Tensor) -> torch.Tensor:
+    """moe on the router's choice; the output in the hidden states' dtype."""
+    x_TD = hidden_states_TD.to(moe.cfg.dtype)
+    out_TD = moe(x_TD, weights_TK=top_k_weights_TK, ids_TK=top_k_index_TK)
+    return out_TD.to(hidden_states_TD.dtype)
+
+
+def compute_dtype(module: torch.nn.Module, hidden_states_TD: torch.Tensor) -> torch.dtype:
+    """The dtype the module's FusedMoE runs in: its weights' (unquantized), else the hidden states'."""
+    weight_dtype = module.gate_up_proj.dtype
+    return hidden_states_TD.dtype if weight_dtype.itemsize == 1 else weight_dtype
+
+
+def weights_key(module: torch.nn.Module, top_k: int, dtype: torch.dtype) -> tuple:
+    """What the module's FusedMoE was built from: its weight tensors' storage, shapes and dtypes, K, dtype."""
+    tensors = [getattr(module, name, None) for name in
+               ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")]
+    return (top_k, dtype) + tuple(None if t is None else (t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "epmoe" entry of transformers' ExpertsInterface: module's experts on one device through epmoe.
+
+    Args:
+        module: a transformers experts module (gate_up_proj [E, 2F, D], down_proj [E, D, F]; bf16/fp16/fp32,
+            or FP8Experts' float8_e4m3fn weights with 128x128 float32 block scales, taken as they are).
+        hidden_states: [T, D] tokens (T may be 0).
+        top_k_index: int [T, K], the model's router's expert ids in [0, E).
+        top_k_weights: float [T, K], its weights (any scaling the model applies is already in them).
+
+    Returns:
+        [T, D] in hidden_states' dtype: sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(x[t]).
+
+    Raises ValueError for modules epmoe cannot run exactly (biases, interleaved or transposed layouts,
+    activations other than SiLU-gated, ...: `epmoe.hf.experts.unsupported`) and for calls that need a
+    backward.
+    """
+    check_inference(module, hidden_states, top_k_weights)
+    dtype = compute_dtype(module, hidden_states)
+    key = weights_key(module, top_k_index.shape[-1], dtype)
+    bound = module.__dict__.get(_BINDING)
+    if bound is None or bound[0] != key:
+        weights = experts_weights(module)
+        moe = moe_layer(weights, num_experts=weights.shape[0], top_k=top_k_index.shape[-1], dtype=dtype, group=None,
+                        dispatcher="local", experts="auto", max_tokens_per_rank=DEFAULT_MAX_TOKENS,
+                        device=module.gate_up_proj.device)
+        bound = module.__dict__[_BINDING] = (key, moe)
+    return run_moe(bound[1], hidden_states, top_k_index, top_k_weights)
