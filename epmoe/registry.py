@@ -29,29 +29,18 @@ _EXPERTS = {
 _AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 
 
-# Rows per expert from which torch._grouped_mm's bf16 GEMMs beat the Triton kernels by more than 10% on an
-# H200 (`epmoe bench experts`, 2026-11-29: 0.86-0.88x at 512+ rows, 0.94-0.96x at 128-256, 1.2-1.4x below).
-GROUPED_MM_FROM_ROWS = 512
-
-
-def expected_rows_per_expert(cfg: MoEConfig, world_size: int) -> int:
-    """Rows each local expert gets when every rank sends max_tokens_per_rank uniformly routed tokens."""
-    return cfg.max_tokens_per_rank * cfg.top_k * world_size // cfg.num_experts
-
-
 def auto_experts_order(cfg: MoEConfig, device: torch.device, layout: Layout | None = None,
                        world_size: int = 1) -> tuple[str, ...]:
     """The experts names "auto" tries, best first (a pure function of config, device and layout).
 
     CPU: the reference (the Triton interpreter is for tests, not speed). CUDA: the Triton kernels (both
-    layouts, fp8), except for unquantized contiguous batches large enough that torch._grouped_mm is
-    faster (GROUPED_MM_FROM_ROWS); candidates that do not take `layout` are dropped by the caller.
+    layouts, fp8, rows read through a batch's row index, the top-k weights in the down projection),
+    which every dispatcher's batch suits: torch._grouped_mm needs the rows copied out of the index and
+    the weights applied apart, and measured slower in the whole block at every size of `epmoe bench moe`
+    (BENCHMARKS.md, MoE block on one GPU). Candidates that do not take `layout` are dropped by the caller.
     """
     if device.type != "cuda":
         return ("reference",)
-    if (cfg.quant is None and layout in (None, Layout.CONTIGUOUS)
-            and expected_rows_per_expert(cfg, world_size) >= GROUPED_MM_FROM_ROWS):
-        return ("grouped_mm", "triton", "reference")
     return ("triton", "grouped_mm", "reference")
 
 
