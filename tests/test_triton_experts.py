@@ -580,8 +580,8 @@ def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():
     assert supported(x, w, out, 2, gathered=False, **kw) == hopper
     assert not supported(x, w, out, 2, gathered=True, **kw)
     assert not supported(x.float(), w.float(), out, 2, gathered=False, **kw)
-    x_odd, w_odd = torch.zeros(64, 120, dtype=torch.bfloat16, device=DEVICE), w[:, :, :120].contiguous()
-    assert not supported(x_odd, w_odd, out, 2, gathered=False, **kw)  # rows of 240 B
+    x_odd, w_odd = torch.zeros(64, 124, dtype=torch.bfloat16, device=DEVICE), w[:, :, :124].contiguous()
+    assert not supported(x_odd, w_odd, out, 2, gathered=False, **kw)  # rows of 248 B: not a multiple of 16
     assert not supported(x, w, out, 300, gathered=False, **kw)  # more experts than the tile map's lanes
 
 def test_tuner_check_passes_good_configs_and_records_failures():
