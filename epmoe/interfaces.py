@@ -10,6 +10,7 @@ Data flow:  dispatch(x_TD, ids_TK, weights_TK) -> ExpertBatch -> experts(batch) 
 from __future__ import annotations
 
 import enum
+from contextlib import nullcontext
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
@@ -185,6 +186,7 @@ class Dispatcher(ABC):
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.first_expert = self.rank * self.num_local_experts
+        self._chunks_stream: torch.cuda.Stream | None = None  # the chunk count's all-reduce (start_chunk_count)
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[bool, str]:
@@ -238,6 +240,40 @@ class Dispatcher(ABC):
         if type(chunks) is not int or chunks < 1:
             raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
         return self._dispatch(*args, chunks=chunks)
+
+    @property
+    def carries_chunks(self) -> bool:
+        """Whether each dispatch carries its caller's chunk count to the other ranks (`agrees_chunks` over
+        more than one rank), so that `start_chunk_count` needs no collective."""
+        return self.world_size > 1 and self.agrees_chunks
+
+    def start_chunk_count(self, chunks: int, device: torch.device) -> Callable[[ExpertBatch], int]:
+        """How many chunks every rank runs for a call this rank cuts into `chunks`: the largest over the
+        ranks. Returns its reader, which takes the call's first batch: with one rank, `chunks`; with a
+        dispatcher free of host syncs, 1 (its callers make one chunk); with `carries_chunks`, the count
+        that came back with the first dispatch (`agreed_chunks`); else an all-reduce queued now (on a GPU
+        on a stream of its own, so that its read waits for the other ranks' hosts to get here, not for the
+        work queued on the stream), which the reader waits for (a host sync): read after the first chunk
+        is queued, it finds the round trip over."""
+        if self.world_size == 1:
+            return lambda batch: chunks
+        if not self.needs_host_sync:
+            return lambda batch: 1
+        if self.carries_chunks:
+            return self.agreed_chunks
+        stream = None
+        if device.type == "cuda":
+            if self._chunks_stream is None:
+                self._chunks_stream = torch.cuda.Stream(device)
+            stream = self._chunks_stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            n = torch.full((1,), chunks, dtype=torch.int64, device=device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+
+        def read(batch: ExpertBatch) -> int:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                return int(n.item())
+        return read
 
     def agreed_chunks(self, batch: ExpertBatch) -> int:
         """The largest `chunks` any rank passed to `dispatch_checked` for the dispatch that returned

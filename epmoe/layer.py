@@ -5,7 +5,6 @@ L local experts, K top-k.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -115,7 +114,6 @@ class FusedMoE(torch.nn.Module):
                                     self.dispatcher.layout, self.world_size)
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
-        self._chunks_stream: torch.cuda.Stream | None = None  # made on the first chunk count over NCCL
         self.graphs: RoutedGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync:
             self.graphs = RoutedGraphs(self._routed, cfg, self.device, pool=graph_pool, max_tokens=graph_max_tokens)
@@ -165,38 +163,6 @@ class FusedMoE(torch.nn.Module):
             self.graphs.device = device
         return self
 
-    def _agrees_chunks(self) -> bool:
-        """Whether the dispatcher carries each rank's chunk count to the others (`Dispatcher.agrees_chunks`)."""
-        return self.world_size > 1 and self.dispatcher.agrees_chunks
-
-    def _start_chunk_count(self, chunks: int, device: torch.device) -> Callable[[ExpertBatch], int]:
-        """The number of chunks every rank runs, the largest of the ranks' `chunks` (this rank's); returns
-        its reader, which takes the first chunk's batch. With R > 1: the dispatcher's own agreement (the
-        count went with the first dispatch and comes back with its batch size, `_agrees_chunks`), else,
-        for a dispatcher that syncs the host anyway, an all-reduce queued now (on a GPU on a stream of
-        its own), which the reader waits for (a host sync): called after the host has queued the first
-        chunk, it finds the all-reduce's round trip over."""
-        if self.world_size == 1:
-            return lambda batch: chunks
-        if not self.dispatcher.needs_host_sync:  # one chunk (`_check_inputs` refused more tokens)
-            return lambda batch: 1
-        if self._agrees_chunks():
-            return self.dispatcher.agreed_chunks
-        # The count depends on T alone, known here: on a GPU the all-reduce runs on a stream of its own, so
-        # that its read waits for the other ranks' hosts to get here, not for the work queued on the stream
-        # (the host keeps queueing ahead of the GPU).
-        if device.type == "cuda" and self._chunks_stream is None:
-            self._chunks_stream = torch.cuda.Stream(device)
-        stream = self._chunks_stream if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            n = torch.full((1,), chunks, dtype=torch.int64, device=device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-
-        def read(batch: ExpertBatch) -> int:
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                return int(n.item())
-        return read
-
     def _chunks_of(self, x_TD: torch.Tensor) -> int:
         """This rank's chunks of cfg.max_tokens_per_rank tokens (every rank runs at least one)."""
         return max(1, -(-x_TD.shape[0] // self.cfg.max_tokens_per_rank))
@@ -205,12 +171,12 @@ class FusedMoE(torch.nn.Module):
                 chunks: Callable[[ExpertBatch], int] | None = None) -> torch.Tensor:
         """routed_scaling_factor * the routed experts' weighted sum [T, D]: dispatch, experts and combine,
         in chunks of cfg.max_tokens_per_rank (as many on every rank; `chunks`: the agreed count's reader,
-        `_start_chunk_count`, started by the caller or here). No host sync of its own with a dispatcher
-        free of them (what `graphs` captures)."""
+        `Dispatcher.start_chunk_count`, started by the caller or here). No host sync of its own with a
+        dispatcher free of them (what `graphs` captures)."""
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
         mine = self._chunks_of(x_TD)
-        chunks = chunks or self._start_chunk_count(mine, x_TD.device)
-        sent = mine if self._agrees_chunks() else None  # the count that goes with each dispatch
+        chunks = chunks or self.dispatcher.start_chunk_count(mine, x_TD.device)
+        sent = mine if self.dispatcher.carries_chunks else None  # the count that goes with each dispatch
         outs = []
         chunk, num_chunks = 0, None
         while chunk != num_chunks:
@@ -292,7 +258,7 @@ class FusedMoE(torch.nn.Module):
         # that agrees no chunk count, also the all-reduce that agrees it, ~150-250 µs)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
         graphed = self.graphs is not None and self.graphs.takes(x_TD)
-        chunks = None if graphed else self._start_chunk_count(self._chunks_of(x_TD), x_TD.device)
+        chunks = None if graphed else self.dispatcher.start_chunk_count(self._chunks_of(x_TD), x_TD.device)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         if graphed:
