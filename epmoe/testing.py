@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .config import MoEConfig
 from .interfaces import Dispatcher, check_pairing
 from .layer import FusedMoE, GatedMLP
+from .oracle import MoERef
 from .registry import dispatcher_class, experts_class, list_dispatchers, list_experts, resolve_experts
 
 # Relative L2 norm error ||out - ref|| / ||ref|| allowed against the single-rank reference (local
@@ -121,6 +122,15 @@ def build_layer(cfg: MoEConfig, weights: LayerWeights, group: dist.ProcessGroup 
                    shared_experts=shared_expert(cfg, weights, device) if shared else None)
     moe.load_experts(weights.w13_END, weights.w2_EDF)
     return moe
+
+
+def layer_oracle(cfg: MoEConfig, weights: LayerWeights, shared: bool = True,
+                 device: torch.device | str | None = None) -> MoERef:
+    """The float64 oracle of build_layer's layer (routed experts scaled by cfg.routed_scaling_factor, plus the
+    shared expert when `shared`), called as oracle(x_TD, ids_TK, weights_TK)."""
+    return MoERef.build(weights.w13_END, weights.w2_EDF, fp8=cfg.quant == "fp8_block",
+                        routed_scaling_factor=cfg.routed_scaling_factor,
+                        shared=(weights.shared_w13_ND, weights.shared_w2_DF) if shared else None, device=device)
 
 
 def reference_layer(cfg: MoEConfig, weights: LayerWeights, device: torch.device | str,

@@ -272,7 +272,9 @@ def test_chunk_counts_travel_with_the_dispatch(dense):
         for d, b in enumerate(batches):
             rows, _ = expected_batch_rows(cfg, 3, d, inputs)
             assert torch.equal(b.materialize().x.cpu(), torch.stack(rows) if rows else b.x[:0].cpu())
-        emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(batches)], batches)
+        outs = emulate_combine(dispatchers, [expert_fn(b, cfg, r, 2) for r, b in enumerate(batches)], batches)
+        for out, (x, ids, w) in zip(outs, inputs):
+            torch.testing.assert_close(out.cpu(), expected_combine(cfg, 3, x, ids, w), **_COMBINE_TOL)
     for bad in (0, 2.0, True, 1 << 24):
         with pytest.raises(ValueError, match="chunks must be an int in"):
             dispatchers[0].dispatch_send(*inputs[0], chunks=bad)
@@ -590,8 +592,10 @@ def test_waits_give_up_instead_of_hanging():
 def test_triton_experts_read_the_receive_buffer(quant):
     """The `triton` experts on ht's batch (the gate-up kernel reads the receive buffer through the row
     index, scales too for fp8) match the reference experts (given the materialized batch by
-    Experts.__call__); two calls, so both parities of the buffer are read."""
+    Experts.__call__), and the combined outputs the float64 oracle; two calls, so both parities of the
+    buffer are read."""
     from epmoe.experts.reference import ReferenceExperts
+    from epmoe.oracle import MoERef
     from epmoe.experts.triton import TritonExperts
     from epmoe.testing import TOLERANCES, rel_error
     R, L, D, F = 2, 2, 128, 16
@@ -606,6 +610,7 @@ def test_triton_experts_read_the_receive_buffer(quant):
             e.load(w13[r * L:(r + 1) * L], w2[r * L:(r + 1) * L])
         experts.append(pair)
     dispatchers = make_world(cfg, R)
+    oracle = MoERef.build(w13, w2, fp8=quant is not None, device="cpu")
     for call in range(2):
         inputs = [exact_inputs(cfg, r, 5 - r, "holes", seed=40 + call, device=_EMU_DEVICE) for r in range(R)]
         batches = emulate_dispatch(dispatchers, inputs)
@@ -617,7 +622,8 @@ def test_triton_experts_read_the_receive_buffer(quant):
             assert y.shape == y_ref.shape == b.out_shape
             assert rel_error(y[:n], y_ref[:n]) <= TOLERANCES["fp8_block" if quant else "bf16"]
             ys.append(y)
-        emulate_combine(dispatchers, ys, batches)
+        for out, (x, ids, w) in zip(emulate_combine(dispatchers, ys, batches), inputs):
+            assert rel_error(out.cpu(), oracle(x, ids, w)) <= TOLERANCES["fp8_block" if quant else "bf16"]
 
 
 def test_layout_scan_matches_torch(monkeypatch):
@@ -1052,7 +1058,10 @@ def test_gpu_random_matches_alltoall():
     assert all(spawn(_gpu_vs_alltoall, gpu_test_ranks(), "cuda", (cases, 3), timeout_s=240))
 
 
-def _gpu_graph(ctx, T, D, E, K):
+def _gpu_graph(ctx, T, D, E, K, replays):
+    """A sync_free dispatch + combine captured once, replayed with new x and routing: the eager call and
+    every replay within rounding of the float64 expectation (assert_combine_bounded), and every replay
+    equal to an eager call on its inputs."""
     from epmoe.dispatch.ht import HtDispatcher
     E = multiple_of(E, ctx.world_size)
     cfg = _cfg(E=E, K=K, D=D, C=T)
@@ -1069,21 +1078,25 @@ def _gpu_graph(ctx, T, D, E, K):
                                   right=True) + ctx.rank * L + 1
         return d.combine((x_N.float() * mult.unsqueeze(1)).to(cfg.dtype), b)
 
-    eager = step()
+    assert_combine_bounded(cfg, ctx.world_size, step(), x, ids, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for _ in range(3):
+    for i in range(replays):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.rand(T, E, device=ctx.device).topk(K, dim=1).indices)
+        ids[torch.rand(T, K, device=ctx.device) < 0.2] = -1
+        w.copy_(torch.rand(T, K, device=ctx.device))
         graph.replay()
-        torch.testing.assert_close(out, step(), rtol=0, atol=0)
-    return eager.shape == (T, D)
+        assert_combine_bounded(cfg, ctx.world_size, out, x, ids, w)
+        if i < 3:
+            torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    return True
 
 
 @needs_gpus
 @pytest.mark.gpu2
 def test_gpu_cuda_graph_sync_free():
     from epmoe.launch import spawn
-    assert all(spawn(_gpu_graph, gpu_test_ranks(), "cuda", (256, 1024, 16, 4), timeout_s=240))
+    assert all(spawn(_gpu_graph, gpu_test_ranks(), "cuda", (256, 1024, 16, 4, 20), timeout_s=240))
