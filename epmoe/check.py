@@ -115,7 +115,7 @@ def check_rank(ctx: RankContext, seed: int, case_names: tuple[str, ...] | None =
                 err = max_over_ranks(err, group, dev)
                 ok = err <= tolerance(cfg)
                 rows.append([case.name, precision(cfg), d_name, e_name,
-                             f"{err:.2e}" if err < float("inf") else "-", f"{tolerance(cfg):.0e}",
+                             f"{err:.2e}" if err < float("inf") else "-", f"{tolerance(cfg):.2g}",
                              "PASS" if ok else "FAIL", note])
                 if ctx.rank == 0:
                     print("  " + " ".join(rows[-1][:7]), flush=True)
