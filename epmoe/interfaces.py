@@ -161,6 +161,7 @@ class Dispatcher(ABC):
         self.rank, self.world_size = group_rank_world(group)
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.first_expert = self.rank * self.num_local_experts
+        self.cfg_fingerprint = cfg.fingerprint()  # what check_same_config compares
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | EmulatedGroup | None) -> tuple[bool, str]:
@@ -226,6 +227,14 @@ class Dispatcher(ABC):
         """
         self.check_output(y, batch)
         return self._combine(y, batch)
+
+    def check_same_config(self, fingerprints_R: list[int]) -> None:
+        """ValueError unless every rank's cfg.fingerprint() (as exchanged by the dispatcher, the same list on
+        every rank) equals this rank's: a rank built from another config would send rows of another size."""
+        others = [r for r, f in enumerate(fingerprints_R) if f != self.cfg_fingerprint]
+        if others:
+            raise ValueError(f"dispatcher {self.name!r}: rank(s) {others} were built from another MoEConfig than "
+                             f"rank {self.rank}'s ({self.cfg}); every rank must build the layer from the same config")
 
     def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""

@@ -231,6 +231,24 @@ def case_bad_input(name, group, device) -> None:
             expect(False, f"{name}: E not divisible by the world size was accepted")
 
 
+def case_other_config(name, group, device) -> None:
+    """The last rank built from another config (another hidden size, so rows of another size): every rank's
+    dispatch refuses with ValueError naming the ranks, before rows cross, and the dispatchers work afterwards."""
+    rank, R = world(group)
+    cfg = epmoe.MoEConfig(num_experts=4 * R, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    mine = dataclasses.replace(cfg, hidden_size=12) if rank == R - 1 and R > 1 else cfg
+    d = epmoe.make_dispatcher(name, mine, group)
+    x, ids, w = exact_tokens(3, mine.hidden_size, rank), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    if R > 1:
+        try:
+            d.dispatch(x.to(device), ids.to(device), w.to(device))
+        except ValueError as e:
+            expect("another MoEConfig" in str(e) and str(R - 1 if rank < R - 1 else 0) in str(e), str(e))
+        else:
+            expect(False, f"{name}: a rank of another config was not refused")
+    exact_round_trip(epmoe.make_dispatcher(name, cfg, group), exact_tokens(3, 8, rank), ids, w, device)
+
+
 def case_fused_vs_oracle(name, group, device) -> None:
     """FusedMoE (sigmoid + bias + grouped routing, scaling 2.5, a shared expert, chunks of 4 tokens, so
     ranks make different numbers of chunks) against the float64 oracle, in fp32 and bf16: routed by the
@@ -262,7 +280,7 @@ def case_fused_vs_oracle(name, group, device) -> None:
 
 
 CASES = (case_exact, case_strided_inputs, case_top1, case_one_expert, case_all_no_expert, case_counts, case_bad_input,
-         case_fused_vs_oracle)
+         case_other_config, case_fused_vs_oracle)
 
 
 def run_case(case, name: str, group, device) -> list[str]:
