@@ -3,6 +3,7 @@
     epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp32] [--quant none|fp8_block] [sizes]
     epmoe check [--nproc N] [--device cpu|cuda]
     epmoe bench experts|dispatch|layer ...     (bench dispatch --mode ll -> the low-latency benchmark)
+    epmoe soak  [--device cpu|cuda] [--quick] ... (epmoe.soak.run)
 
 Ranks are started here with epmoe.launch.spawn (gloo on CPU, NCCL on GPUs), or, when RANK and
 WORLD_SIZE are set, this process is one rank of a torchrun launch.
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated case names to run (default: all; names: epmoe.check.CASES)")
     sub.add_parser("bench", help="benchmarks: bench experts|dispatch|layer ... (options go to the benchmark)",
                    add_help=False)
+    sub.add_parser("soak", help="randomized load, memory, CUDA-graph replays, faults and bad inputs, with figures "
+                                "(epmoe soak --help)", add_help=False)
     return parser
 
 
@@ -122,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "soak":
+        from .soak.run import main as soak_main
+        return soak_main(argv[1:])
     args = build_parser().parse_args(argv)
     return _demo(args) if args.command == "demo" else _check(args)
 

@@ -25,13 +25,14 @@ from .layer import FusedMoE, GatedMLP
 from .oracle import MoERef
 from .registry import dispatcher_class, experts_class, list_dispatchers, list_experts, resolve_experts
 
-# Relative L2 norm error ||out - ref|| / ||ref|| allowed against the float64 oracle (`epmoe.oracle`), twice the
-# largest measured (`epmoe check` on 2 gloo ranks and a single rank, every dispatcher and experts that run on the
-# CPU, the Triton kernels under the interpreter, whose bf16 casts round ties down): fp32 3.9e-7 (summation order),
-# fp16 4.9e-4, bf16 7.3e-3 (h and the output rounded to bf16, and the partial sums that cross ranks), fp8_block
-# 4.6e-3 (the oracle rounds through fp8 as the format says; an h value next to an e4m3 rounding boundary may
-# round the other way).
-TOLERANCES = {"fp32": 1e-6, "fp16": 1e-3, "bf16": 1.5e-2, "fp8_block": 1e-2}
+# Relative L2 norm error ||out - ref|| / ||ref|| allowed against the float64 oracle (`epmoe.oracle`): about twice
+# the largest measured on the CPU (`epmoe check` and `epmoe soak`: every dispatcher and experts that run there,
+# gloo and emulated ranks, the Triton kernels under the interpreter, whose bf16 casts round ties down; a call's
+# error is largest with one or two tokens on a rank): fp32 3.9e-7 (summation order), fp16 4.9e-4, bf16 1.34e-2
+# (h, partial sums between ranks and the output rounded to bf16), fp8_block 9.6e-3 (as bf16, and an h value next
+# to an e4m3 rounding boundary may round the other way than in the oracle, which rounds through fp8 as the
+# format says).
+TOLERANCES = {"fp32": 1e-6, "fp16": 1e-3, "bf16": 3e-2, "fp8_block": 2e-2}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
