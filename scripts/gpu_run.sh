@@ -6,7 +6,7 @@
 # NPROC (2 to 8, default 2): ranks of the multi-GPU tests (as EPMOE_GPU_RANKS), of check, demo and
 # layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
-#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer, gemm
+#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, dispatch, ll, layer, gemm, soak
 # (gemm: scripts/gemm_probe.py, the launch-config probe behind the large-M table entries) (default: all). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
@@ -15,7 +15,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer,gemm}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,dispatch,ll,layer,gemm,soak}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -67,6 +67,7 @@ stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
 stage gemm     "${LIMIT[@]}" "$PY" scripts/gemm_probe.py --out "$OUT"
+stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {
     printf '%-10s %-12s %s\n' stage result seconds

@@ -84,14 +84,17 @@ def api_cases() -> list[Case]:
         Case("MoEConfig", "top_k=9 > num_experts=8", lambda: _cfg(top_k=9), ("top_k=9",)),
         Case("MoEConfig", "hidden_size=-4", lambda: _cfg(hidden_size=-4), ("hidden_size", "-4")),
         Case("MoEConfig", "hidden_size=16.0 (a float)", lambda: _cfg(hidden_size=16.0), ("hidden_size", "16.0")),
-        Case("MoEConfig", "intermediate_size=True", lambda: _cfg(intermediate_size=True), ("intermediate_size", "True")),
+        Case("MoEConfig", "intermediate_size=True", lambda: _cfg(intermediate_size=True),
+             ("intermediate_size", "True")),
         Case("MoEConfig", "max_tokens_per_rank=0", lambda: _cfg(max_tokens_per_rank=0), ("max_tokens_per_rank", "0")),
         Case("MoEConfig", "dtype=torch.int32", lambda: _cfg(dtype=torch.int32), ("dtype", "int32")),
         Case("MoEConfig", "quant='int4'", lambda: _cfg(quant="int4"), ("int4",)),
         Case("MoEConfig", "scoring='relu'", lambda: _cfg(scoring="relu"), ("relu",)),
-        Case("MoEConfig", "num_groups=4 without topk_groups", lambda: _cfg(num_groups=4), ("num_groups", "topk_groups")),
+        Case("MoEConfig", "num_groups=4 without topk_groups", lambda: _cfg(num_groups=4),
+             ("num_groups", "topk_groups")),
         Case("MoEConfig", "num_groups=3 (E=8)", lambda: _cfg(num_groups=3, topk_groups=1), ("num_groups=3",)),
-        Case("MoEConfig", "topk_groups=5 > num_groups=4", lambda: _cfg(num_groups=4, topk_groups=5), ("topk_groups=5",)),
+        Case("MoEConfig", "topk_groups=5 > num_groups=4", lambda: _cfg(num_groups=4, topk_groups=5),
+             ("topk_groups=5",)),
         Case("MoEConfig", "routed_scaling_factor=0", lambda: _cfg(routed_scaling_factor=0.0),
              ("routed_scaling_factor", "0")),
         Case("route", "logits_TE [3, 7] for E=8", lambda: route(torch.randn(3, 7), CFG), ("E=8", "(3, 7)")),
@@ -161,10 +164,7 @@ def api_cases() -> list[Case]:
 
 def hf_cases() -> list[Case]:
     """The Hugging Face entry points that read a config or a state dict without transformers."""
-    try:
-        from ..hf import config_from_hf, expert_weights
-    except ImportError as e:
-        return [Case("epmoe.hf", "import", lambda e=e: (_ for _ in ()).throw(e), ())]
+    from ..hf import config_from_hf, expert_weights
     prefix = "model.layers.0.mlp.experts."
     partial = {f"{prefix}{e}.{n}.weight": torch.zeros(8, 16) for e in range(2) for n in ("gate_proj", "up_proj")}
     dense = SimpleNamespace(hidden_size=16, intermediate_size=8)

@@ -8,9 +8,10 @@ size differs), ids out of range on one rank only, a wrong dtype on one rank only
 
 Where:
 - process groups (gloo ranks on the CPU, `allgather` and `alltoall`; NCCL groups are not faulted here):
-  every fault runs on a group of its own whose collectives time out after `timeout_s`; the fresh group is a new one (of the survivor alone
-  after a death). The ranks are processes of their own (`run_ranks`), so that a rank that dies or hangs
-  leaves the others' reports: a rank that has not reported by the deadline is killed and counted as hung.
+  every fault runs on a group of its own whose collectives time out after `timeout_s`; the fresh group is a
+  new one (of the survivor alone after a death). The ranks are processes of their own (`run_ranks`), so that
+  a rank that dies or hangs leaves the others' reports: a rank that has not reported by the deadline is
+  killed and counted as hung.
 - emulated ranks (`ht`, `ht(sync_free)`, `ll`; the CPU under the Triton interpreter, or one GPU): the
   device-side waits give up after `timeout_s` (`wait_timeout_s`); ht raises on the host at its next
   batch-size read, and every dispatcher's `timed_out()` says so (ll and ht(sync_free) have no host sync

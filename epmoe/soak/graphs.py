@@ -137,7 +137,8 @@ def soak_graphs(spec: LoadSpec, precisions: Sequence[str], replays: int,
             try:
                 tallies.append(replay_path(spec, prec, d_key, replays, device))
             except Exception as e:  # a path that cannot be captured is a failed path, not the end of the soak
-                tally = Tally(f"{d_key}/triton/{prec} (CUDA graph)", tolerance(cfg))
+                label = d_key.replace("_sync_free", "(sync_free)")
+                tally = Tally(f"{label}/triton/{prec} (CUDA graph)", tolerance(cfg))
                 tally.fail(0, f"{type(e).__name__}: {e}")
                 tallies.append(tally)
     return tallies, skipped

@@ -244,12 +244,11 @@ def group_paths(cfg: MoEConfig, group, device: torch.device,
     return runs, todo.skipped
 
 
-def make_dispatcher_for(d_key: str, cfg: MoEConfig, group, device: torch.device | None = None):
-    """The dispatcher of a group_paths key (a name, or "ht_sync_free")."""
-    emulated = {"device": device} if isinstance(group, EmulatedGroup) else {}
+def make_dispatcher_for(d_key: str, cfg: MoEConfig, group):
+    """The dispatcher of a group_paths key (a name, or "ht_sync_free") over a process group or None."""
     if d_key == "ht_sync_free":
-        return HtDispatcher(cfg, group, sync_free=True, **emulated)
-    return make_dispatcher(d_key, cfg, group, **emulated)
+        return HtDispatcher(cfg, group, sync_free=True)
+    return make_dispatcher(d_key, cfg, group)
 
 
 def chunk_tokens(cfg: MoEConfig, d_key: str) -> int:
@@ -347,8 +346,8 @@ def soak_emulated(spec: LoadSpec, precisions: Sequence[str], device: torch.devic
                                                       wait_timeout_s=WAIT_TIMEOUT_S)
                 holder[:] = dispatchers
                 return emulated_step(dispatchers, experts)
-            drive(tally, build, cfg, oracle, spec, calls_of(spec, device, True), list(range(R)), cfg.max_tokens_per_rank,
-                  device,
+            drive(tally, build, cfg, oracle, spec, calls_of(spec, device, True), list(range(R)),
+                  cfg.max_tokens_per_rank, device,
                   healthy=lambda: not any(d.timed_out() for d in holder))
             tallies.append(tally)
     return tallies, skipped
