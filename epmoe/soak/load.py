@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..dispatch.ht import HtDispatcher
@@ -196,23 +197,28 @@ def check_outputs(tally: Tally, call: int, inputs: list[Inputs], outs: list[torc
 
 
 def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERef, spec: LoadSpec, calls: int,
-          ranks: list[int], max_tokens: int, device: torch.device, healthy: Callable[[], bool] = lambda: True) -> None:
+          ranks: list[int], max_tokens: int, device: torch.device, healthy: Callable[[], bool] = lambda: True,
+          any_rank: Callable[[bool], bool] = lambda failed: failed) -> None:
     """`calls` calls through a layer from build(), then spec.reruns of them through a fresh one; fills
     `tally`. `ranks`: the ranks whose inputs this process feeds; `healthy()` is False once a device-side
-    wait of the layer gave up."""
+    wait of the layer gave up; any_rank(failed) tells whether a call failed on any rank of a process group
+    (then every rank stops the path, so that none goes on into collectives the others have left)."""
     step, trace = build(), MemoryTrace(device)
     inputs_of = lambda call: [call_inputs(cfg, spec.seed, tally.path, call, r, max_tokens, device)  # noqa: E731
                               for r in ranks]
     every = max(1, min(spec.sample_every, calls // 10))
     for call in range(calls):
         inputs = inputs_of(call)
+        tally.calls += 1
         try:
             outs = step(inputs)
         except Exception as e:  # a failing call is a mismatch of the path, not the end of the soak
             tally.fail(call, f"{type(e).__name__}: {e}")
-            tally.calls += 1
+            any_rank(True)
             break
-        tally.calls += 1
+        if any_rank(False):
+            tally.fail(call, "the call failed on another rank")
+            break
         tally.hashes.append(digest(outs))
         check_outputs(tally, call, inputs, outs, oracle, cfg.dtype)
         if not healthy():
@@ -223,7 +229,7 @@ def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERe
             trace.sample(call)
     tally.memory_growth = trace.growth(max(2, calls // 10))
     del step
-    if tally.mismatches or not spec.reruns:
+    if any_rank(bool(tally.mismatches)) or not spec.reruns:  # (every rank reruns, or none)
         return
     step = build()
     tally.reruns = min(spec.reruns, calls)
@@ -249,6 +255,15 @@ def make_dispatcher_for(d_key: str, cfg: MoEConfig, group):
     if d_key == "ht_sync_free":
         return HtDispatcher(cfg, group, sync_free=True)
     return make_dispatcher(d_key, cfg, group)
+
+
+def _any_rank(failed: bool, group, device: torch.device) -> bool:
+    """Whether `failed` on any rank of `group` (None: this one)."""
+    if group is None:
+        return failed
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def chunk_tokens(cfg: MoEConfig, d_key: str) -> int:
@@ -278,7 +293,7 @@ def soak_layers(spec: LoadSpec, precisions: Sequence[str], group, rank: int, wor
                 moe = build_layer(cfg, weights, group, make_dispatcher_for(d_key, cfg, group), e_name, device)
                 return lambda inputs: [moe(x, weights_TK=w, ids_TK=ids) for x, ids, w in inputs]
             drive(tally, build, cfg, oracle, spec, calls_of(spec, device, e_name == "triton"), [rank], max_tokens,
-                  device)
+                  device, any_rank=lambda failed: _any_rank(failed, group, device))
             tallies.append(tally)
     return tallies, skipped
 
