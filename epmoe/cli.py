@@ -1,9 +1,10 @@
-"""The `epmoe` command: demo, check and bench. Parses arguments and hands over to the modules that work.
+"""The `epmoe` command: demo, check, bench, generate and soak. Parses arguments and hands over to the modules that work.
 
     epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp32] [--quant none|fp8_block] [sizes]
     epmoe check [--nproc N] [--device cpu|cuda]
     epmoe bench experts|dispatch|layer|moe ...     (bench dispatch --mode ll -> the low-latency benchmark)
     epmoe generate --model DIR | --preset NAME [--nproc N] [--check] [--bench] ...   (transformers models)
+    epmoe soak  [--device cpu|cuda] [--quick] ... (epmoe.soak.run)
 
 Every argument and the whole configuration (the layer's MoEConfig, the ranks against the devices) is
 checked here, in the launching process, before any rank starts: a mistake exits with code 2 and one
@@ -166,8 +167,9 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] not in ("experts", "dispatch", "layer", "moe"):
-        print("usage: epmoe bench {experts,dispatch,layer,moe} [options]  (dispatch --mode ll: low latency)",
-              file=sys.stderr)
+        unknown = f"epmoe bench: unknown benchmark {argv[0]!r}; " if argv else ""
+        print(f"{unknown}usage: epmoe bench {{experts,dispatch,layer,moe}} [options]  (dispatch --mode ll: low "
+              "latency)", file=sys.stderr)
         return 2
     stage, rest = argv[0], list(argv[1:])
     if stage == "dispatch" and _mode(rest) == "ll":
@@ -229,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_arguments(generate)
     for command_parser in (demo, check, generate):
         command_parser.set_defaults(command_parser=command_parser)
+    sub.add_parser("soak", help="randomized load, memory, CUDA-graph replays, faults and bad inputs, with figures "
+                                "(epmoe soak --help)", add_help=False)
     return parser
 
 
@@ -265,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "soak":
+        from .soak.run import main as soak_main
+        return soak_main(argv[1:])
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")

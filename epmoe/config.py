@@ -5,6 +5,7 @@ L local experts, K top-k, R ranks.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,11 @@ class MoEConfig:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by the world size {world_size}")
         return self.num_experts // world_size
+
+    def fingerprint(self) -> int:
+        """A 62-bit hash of every field, the same in every process: ranks exchange it to find out that one of
+        them was built from another config (before rows of other sizes cross)."""
+        return int.from_bytes(hashlib.sha256(repr(self).encode()).digest()[:8], "little") >> 2
 
     @property
     def row_bytes(self) -> int:

@@ -187,6 +187,7 @@ class Dispatcher(ABC):
         self.num_local_experts = cfg.local_experts(self.world_size)
         self.first_expert = self.rank * self.num_local_experts
         self._chunks_stream: torch.cuda.Stream | None = None  # the chunk count's all-reduce (start_chunk_count)
+        self.cfg_fingerprint = cfg.fingerprint()  # what check_same_config compares
 
     @classmethod
     def availability(cls, cfg: MoEConfig, group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[bool, str]:
@@ -307,6 +308,14 @@ class Dispatcher(ABC):
     def _combine_weighted(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         """The combine of rows already weighted by batch.weights_N (dispatchers that set it)."""
         raise NotImplementedError(f"dispatcher {self.name!r} sets weights_N but has no _combine_weighted")
+
+    def check_same_config(self, fingerprints_R: list[int]) -> None:
+        """ValueError unless every rank's cfg.fingerprint() (as exchanged by the dispatcher, the same list on
+        every rank) equals this rank's: a rank built from another config would send rows of another size."""
+        others = [r for r, f in enumerate(fingerprints_R) if f != self.cfg_fingerprint]
+        if others:
+            raise ValueError(f"dispatcher {self.name!r}: rank(s) {others} were built from another MoEConfig than "
+                             f"rank {self.rank}'s ({self.cfg}); every rank must build the layer from the same config")
 
     def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""

@@ -7,7 +7,7 @@
 # layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
-#   profile (scripts/moe_profile.py: the local block's kernels, one by one)
+#   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
@@ -17,7 +17,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,moe,dispatch,ll,layer,gemm}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,moe,dispatch,ll,layer,gemm,soak}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -71,6 +71,7 @@ stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$O
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
 stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
+stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {
     printf '%-10s %-12s %s\n' stage result seconds

@@ -15,11 +15,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F_
 
 import epmoe
 from epmoe.interfaces import ExpertBatch, Layout
-from epmoe.testing import LayerWeights, build_layer, make_weights, rel_error
+from epmoe.oracle import route_ref
+from epmoe.testing import TOLERANCES, build_layer, layer_oracle, make_weights, precision, rel_error
 
 _failures: list[str] = []
 
@@ -30,7 +30,13 @@ def expect(ok, message: str) -> None:
         _failures.append(f"{traceback.extract_stack(limit=2)[0].name}: {message}")
 
 
-E_CASES = 24  # experts of the cases: divisible by every world size they run at (1 to 4, 6, 8)
+def experts_for(R: int) -> int:
+    """Experts of the cases at world size R: 24 where R divides it (1 to 4, 6, 8), else 4 R (5: 20, 7: 28);
+    below 32, so the exact cases' products stay exact in float32, and a multiple of 4 (the groups of
+    case_fused_vs_dense)."""
+    return 24 if 24 % R == 0 else 4 * R
+
+
 TOKEN_PATTERN = (7, 0, 5, 1)  # rank r has TOKEN_PATTERN[r % 4] tokens: odd T, T=0 and T=1 across ranks
 
 
@@ -89,23 +95,44 @@ def exact_round_trip(d: epmoe.Dispatcher, x_TD, ids_TK, w_TK, device) -> None:
 def case_exact(name, group, device) -> None:
     """Rows encode (rank, token, column); random ids with -1; power-of-two weights; exact sums."""
     rank, R = world(group)
-    cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=3, hidden_size=13, intermediate_size=8, dtype=torch.float32)
+    E = experts_for(R)
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=3, hidden_size=13, intermediate_size=8, dtype=torch.float32)
     d = epmoe.make_dispatcher(name, cfg, group)
     g = torch.Generator().manual_seed(100 + rank)
     for T in (TOKEN_PATTERN[rank % 4], 3 + 2 * rank):
-        ids = random_ids(T, E_CASES, 3, g)
+        ids = random_ids(T, E, 3, g)
         w = 2.0 ** torch.randint(-1, 2, (T, 3), generator=g).float()
         exact_round_trip(d, exact_tokens(T, 13, rank), ids, w, device)
+
+
+def case_strided_inputs(name, group, device) -> None:
+    """Non-contiguous x (every other column of a wider tensor), ids (a transposed [K, T] table) and weights
+    (a column slice), int64 ids, and weights in bfloat16 (powers of two: exact); exact sums."""
+    rank, R = world(group)
+    E, K, D = experts_for(R), 3, 11
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=8, dtype=torch.float32)
+    d = epmoe.make_dispatcher(name, cfg, group)
+    g = torch.Generator().manual_seed(200 + rank)
+    T = (6, 0, 3, 1)[rank % 4]
+    wide = torch.zeros(T, 2 * D)
+    wide[:, ::2] = exact_tokens(T, D, rank)
+    ids_KT = random_ids(T, E, K, g).long().t().contiguous()
+    w_T2K = 2.0 ** torch.randint(-1, 2, (T, 2 * K), generator=g).float()
+    x, ids, w = wide[:, ::2], ids_KT.t(), w_T2K[:, K:]
+    assert T < 2 or not (x.is_contiguous() or ids.is_contiguous() or w.is_contiguous())
+    exact_round_trip(d, x, ids, w, device)
+    exact_round_trip(d, x, ids, w.bfloat16(), device)
 
 
 def case_one_expert(name, group, device) -> None:
     """Every token of every rank goes to the last expert (the last rank), other slots -1."""
     rank, R = world(group)
-    cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    E = experts_for(R)
+    cfg = epmoe.MoEConfig(num_experts=E, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     d = epmoe.make_dispatcher(name, cfg, group)
     T = 9 + rank
     ids = torch.full((T, 2), -1, dtype=torch.int64)
-    ids[:, 0] = E_CASES - 1
+    ids[:, 0] = E - 1
     exact_round_trip(d, exact_tokens(T, 16, rank), ids, torch.full((T, 2), 0.5), device)
 
 
@@ -126,7 +153,7 @@ def case_top1(name, group, device) -> None:
     """K = 1: every rank sends a few tokens, then nothing (T = 0), then only -1 ids; at one rank also
     E = 1. Exact sums."""
     rank, R = world(group)
-    for E in sorted({R, E_CASES}):
+    for E in sorted({R, experts_for(R)}):
         cfg = epmoe.MoEConfig(num_experts=E, top_k=1, hidden_size=8, intermediate_size=8, dtype=torch.float32)
         d = epmoe.make_dispatcher(name, cfg, group)
         g = torch.Generator().manual_seed(300 + rank)
@@ -204,53 +231,56 @@ def case_bad_input(name, group, device) -> None:
             expect(False, f"{name}: E not divisible by the world size was accepted")
 
 
-def dense_moe(x_TD, ids_TK, w_TK, weights: LayerWeights, scaling: float, shared: bool,
-              h_round=lambda h: h) -> torch.Tensor:
-    """The plain MoE, token by token and expert by expert, in float64 (h_round: how the path under test
-    rounds the intermediate h [1, F] before the down projection, e.g. fp8 re-quantization)."""
-    out = torch.zeros(x_TD.shape, dtype=torch.float64)
-    x, w13, w2 = x_TD.double().cpu(), weights.w13_END.double().cpu(), weights.w2_EDF.double().cpu()
-    F = w2.shape[2]
-    for t in range(x.shape[0]):
-        for k in range(ids_TK.shape[1]):
-            e = int(ids_TK[t, k])
-            if e < 0:
-                continue
-            h = w13[e] @ x[t]
-            out[t] += float(w_TK[t, k]) * (w2[e] @ h_round((F_.silu(h[:F]) * h[F:])[None])[0])
-    out *= scaling
-    if shared:
-        s13, s2 = weights.shared_w13_ND.double().cpu(), weights.shared_w2_DF.double().cpu()
-        h = x @ s13.t()
-        out += (F_.silu(h[:, :F]) * h[:, F:]) @ s2.t()
-    return out
-
-
-def case_fused_vs_dense(name, group, device) -> None:
-    """FusedMoE (sigmoid + bias + grouped routing, scaling 2.5, a shared expert, chunks of 4 tokens, so
-    ranks make different numbers of chunks) against the dense loop, in fp32 and bf16."""
+def case_other_config(name, group, device) -> None:
+    """The last rank built from another config (another hidden size, so rows of another size): every rank's
+    dispatch refuses with ValueError naming the ranks, before rows cross, and the dispatchers work afterwards."""
     rank, R = world(group)
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        cfg = epmoe.MoEConfig(num_experts=E_CASES, top_k=3, hidden_size=24, intermediate_size=10, dtype=dtype,
+    cfg = epmoe.MoEConfig(num_experts=4 * R, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    mine = dataclasses.replace(cfg, hidden_size=12) if rank == R - 1 and R > 1 else cfg
+    d = epmoe.make_dispatcher(name, mine, group)
+    x, ids, w = exact_tokens(3, mine.hidden_size, rank), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    if R > 1:
+        try:
+            d.dispatch(x.to(device), ids.to(device), w.to(device))
+        except ValueError as e:
+            expect("another MoEConfig" in str(e) and str(R - 1 if rank < R - 1 else 0) in str(e), str(e))
+        else:
+            expect(False, f"{name}: a rank of another config was not refused")
+    exact_round_trip(epmoe.make_dispatcher(name, cfg, group), exact_tokens(3, 8, rank), ids, w, device)
+
+
+def case_fused_vs_oracle(name, group, device) -> None:
+    """FusedMoE (sigmoid + bias + grouped routing, scaling 2.5, a shared expert, chunks of 4 tokens, so
+    ranks make different numbers of chunks) against the float64 oracle, in fp32 and bf16: routed by the
+    layer (the oracle routes with epmoe.oracle.route_ref), and with the caller's own ids and weights
+    (random, skewed towards one expert, some -1, weights neither normalized nor float32)."""
+    rank, R = world(group)
+    E = experts_for(R)
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = epmoe.MoEConfig(num_experts=E, top_k=3, hidden_size=24, intermediate_size=10, dtype=dtype,
                               max_tokens_per_rank=4, scoring="sigmoid", num_groups=4, topk_groups=2,
                               routed_scaling_factor=2.5)
         weights = make_weights(cfg, 5, device)
         moe = build_layer(cfg, weights, group, name, "reference", device)
+        oracle = layer_oracle(cfg, weights, device="cpu")
         T = (9, 2, 0, 5)[rank % 4]
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(T, 24, generator=g).to(dtype).to(device)
-        logits = torch.randn(T, cfg.num_experts, generator=g).to(device)
-        w_TK, ids_TK = epmoe.route(logits, cfg, correction_bias_E=weights.correction_bias_E)
-        ids_drop_TK = ids_TK.clone()
-        ids_drop_TK[T // 2:, 0] = -1  # -1 ids through the caller's-own-gate path
-        for got, ids in ((moe(x, logits, correction_bias_E=weights.correction_bias_E), ids_TK),
-                         (moe(x, weights_TK=w_TK, ids_TK=ids_drop_TK), ids_drop_TK)):
-            ref = dense_moe(x, ids.cpu(), w_TK.cpu(), weights, 2.5, shared=True)
-            err = rel_error(got.cpu(), ref)
+        x = torch.randn(T, 24, generator=g).to(dtype)
+        logits = torch.randn(T, cfg.num_experts, generator=g)
+        bias = weights.correction_bias_E
+        w_ref, ids_ref = route_ref(logits, 3, scoring="sigmoid", num_groups=4, topk_groups=2, correction_bias_E=bias)
+        ids = random_ids(T, E, 3, g).long()
+        ids[::2, 0] = 1  # skewed: every other token's first choice is expert 1
+        w = (torch.rand(T, 3, generator=g) * 2).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float64)
+        for got, want in ((moe(x.to(device), logits.to(device), correction_bias_E=bias), oracle(x, ids_ref, w_ref)),
+                          (moe(x.to(device), weights_TK=w.to(device), ids_TK=ids.to(device)), oracle(x, ids, w))):
+            err = rel_error(got.cpu(), want)
+            tol = TOLERANCES[precision(cfg)]
             expect(got.dtype == dtype and err <= tol, f"{name} {dtype}: rel err {err:.2e} > {tol}")
 
 
-CASES = (case_exact, case_top1, case_one_expert, case_all_no_expert, case_counts, case_bad_input, case_fused_vs_dense)
+CASES = (case_exact, case_strided_inputs, case_top1, case_one_expert, case_all_no_expert, case_counts, case_bad_input,
+         case_other_config, case_fused_vs_oracle)
 
 
 def run_case(case, name: str, group, device) -> list[str]:

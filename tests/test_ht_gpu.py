@@ -251,7 +251,10 @@ def test_gpu_random_matches_alltoall():
     assert all(spawn(_gpu_vs_alltoall, gpu_test_ranks(), "cuda", (cases, 3), timeout_s=240))
 
 
-def _gpu_graph(ctx, T, D, E, K):
+def _gpu_graph(ctx, T, D, E, K, replays):
+    """A sync_free dispatch + combine captured once, replayed with new x and routing: the eager call and
+    every replay within rounding of the float64 expectation (assert_combine_bounded), and the first
+    replays equal to an eager call on their inputs."""
     from epmoe.dispatch.ht import HtDispatcher
     E = multiple_of(E, ctx.world_size)
     cfg = ht_cfg(E=E, K=K, D=D, C=T)
@@ -268,21 +271,25 @@ def _gpu_graph(ctx, T, D, E, K):
                                   right=True) + ctx.rank * L + 1
         return d.combine((x_N.float() * mult.unsqueeze(1)).to(cfg.dtype), b)
 
-    eager = step()
+    assert_combine_bounded(cfg, ctx.world_size, step(), x, ids, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for _ in range(3):
+    for i in range(replays):
         x.copy_(torch.randn_like(x))
         ids.copy_(torch.rand(T, E, device=ctx.device).topk(K, dim=1).indices)
+        ids[torch.rand(T, K, device=ctx.device) < 0.2] = -1
+        w.copy_(torch.rand(T, K, device=ctx.device))
         graph.replay()
-        torch.testing.assert_close(out, step(), rtol=0, atol=0)
-    return eager.shape == (T, D)
+        assert_combine_bounded(cfg, ctx.world_size, out, x, ids, w)
+        if i < 3:
+            torch.testing.assert_close(out, step(), rtol=0, atol=0)
+    return True
 
 
 @needs_gpus
 @pytest.mark.gpu2
 def test_gpu_cuda_graph_sync_free():
     from epmoe.launch import spawn
-    assert all(spawn(_gpu_graph, gpu_test_ranks(), "cuda", (256, 1024, 16, 4), timeout_s=240))
+    assert all(spawn(_gpu_graph, gpu_test_ranks(), "cuda", (256, 1024, 16, 4, 20), timeout_s=240))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from epmoe.launch import spawn
 
@@ -37,10 +38,11 @@ def test_spawn_returns_results_by_rank():
 
 
 def test_spawn_failing_rank_raises_without_hang():
+    """The error raised in a rank comes back with its message: rank 1's own, or rank 0's broken collective
+    (whichever the launcher sees first), not a crash or a time-out."""
     t0 = time.monotonic()
-    with pytest.raises(Exception) as e:  # rank 1's error, or rank 0's broken collective, whichever is seen first
+    with pytest.raises(ProcessRaisedException, match="rank 1 gives up|Connection closed by peer"):
         spawn(_rank1_fails, 2, "cpu", timeout_s=120)
-    assert not isinstance(e.value, TimeoutError)
     assert time.monotonic() - t0 < 60
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.dispatch.ll import LLDispatcher
+from epmoe.dispatch.ll import COMBINE_MODES, LLDispatcher
 from epmoe.registry import list_dispatchers, make_dispatcher
 from epmoe.symm import EmulatedGroup
 from ll_support import EMU_DEVICE, check_batch, check_out, fake_experts, make_inputs, make_world, run_calls
@@ -53,6 +53,20 @@ def test_emulated_static_max_size_inputs():
         for (_, ids, _), n in zip(inputs, active):
             ids[n:] = -1
         calls.append(inputs)
+    assert run_calls(dispatchers, cfg, calls) == []
+
+
+@pytest.mark.parametrize("combine", COMBINE_MODES)
+def test_emulated_int64_ids_and_bf16_weights(combine):
+    """ids in int64 (what torch.topk gives a caller's own gate) and weights in bfloat16 go the way int32 ids
+    and float32 weights go; 3 ranks, skewed routing, -1 ids, a rank with no tokens."""
+    cfg = MoEConfig(num_experts=6, top_k=3, hidden_size=64, intermediate_size=8, max_tokens_per_rank=4)
+    dispatchers = make_world(cfg, 3, combine)
+    calls = []
+    for i, tokens in enumerate([[4, 0, 3], [1, 4, 2]]):
+        inputs = make_inputs(cfg, 3, tokens, seed=60 + i, skew=i == 1, drop=0.25)
+        calls.append([(x, ids.long(), w.bfloat16()) for x, ids, w in inputs])
+    assert all(ids.dtype == torch.int64 for _, ids, _ in calls[0])
     assert run_calls(dispatchers, cfg, calls) == []
 
 

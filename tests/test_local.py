@@ -1,6 +1,6 @@
 """The fused one-rank path: `local` dispatch through the layout kernels, the experts reading x through the row
 index and weighting rows in the down projection, the combine kernel; against the plain float64 loop of
-moe_cases.dense_moe. On CPU the layout kernels run under the Triton interpreter (forced here: the
+epmoe.oracle. On CPU the layout kernels run under the Triton interpreter (forced here: the
 dispatchers use the torch references on CPU tensors); on a GPU, also with no host sync at all."""
 import dataclasses
 
@@ -9,7 +9,7 @@ import torch
 
 import epmoe
 from epmoe.dispatch import _layout
-from epmoe.testing import make_weights, rel_error, tolerance
+from epmoe.testing import layer_oracle, make_weights, rel_error, tolerance
 
 import moe_cases
 
@@ -37,17 +37,9 @@ def _inputs(cfg, T: int, seed: int, device, weights_dtype=torch.float32, ids_dty
 
 
 def _reference(x, ids, w, weights, cfg) -> torch.Tensor:
-    """The float64 loop; for fp8_block on the weights and activations as the fp8 path quantizes them
-    (block-128 weights, 1x128 groups of x and of h), so that only rounding differs."""
-    x, ids, w = x.cpu(), ids.cpu(), w.cpu().float()
-    if cfg.quant is None:
-        return moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)
-    from epmoe.quant import dequantize_act_ref, dequantize_weight_ref, quantize_act_ref, quantize_weight_ref
-    deq = dataclasses.replace(weights, **{n: dequantize_weight_ref(*quantize_weight_ref(getattr(weights, n).cpu()))
-                                          for n in ("w13_END", "w2_EDF")})
-    x = dequantize_act_ref(*quantize_act_ref(x))
-    return moe_cases.dense_moe(x, ids, w, deq, 1.0, shared=False,
-                               h_round=lambda h: dequantize_act_ref(*quantize_act_ref(h.float())).double())
+    """The float64 oracle (epmoe.oracle; for fp8_block on the weights and activations rounded as the format
+    defines), on the CPU."""
+    return layer_oracle(cfg, weights, shared=False, device="cpu")(x.cpu(), ids.cpu(), w.cpu().float())
 
 
 def _expect_close(moe, weights, x, ids, w, cfg) -> None:
@@ -103,8 +95,8 @@ def test_device_checked_ids_poison_their_tokens_and_raise_on_the_next_call(kerne
     out = d.combine(moe.experts(batch, weighted=True), batch, weighted=True)
     assert out[3].isnan().all() and out[6].isnan().all()
     ok = [t for t in range(9) if t not in (3, 6)]
-    ref = moe_cases.dense_moe(x, ids, w, weights, 1.0, shared=False)
-    assert rel_error(out[ok], ref[ok]) <= 1e-5
+    ref = _reference(x, ids, w, weights, cfg)
+    assert rel_error(out[ok], ref[ok]) <= tolerance(cfg)
     with pytest.raises(ValueError, match=r"expert id (8|-7), outside \[-1, E=8\)"):
         moe(x, weights_TK=w, ids_TK=ids)
     _expect_close(moe, weights, x, ids, w, cfg)  # raised once; the layer works on

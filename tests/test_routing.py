@@ -10,6 +10,7 @@ import epmoe
 import epmoe.routing
 from compile_run import OTHER_TRITONS, assert_compiles
 from epmoe.kernels.routing import route_topk
+from epmoe.oracle import route_ref
 
 
 @pytest.fixture(params=["torch", "kernel"], autouse=True)
@@ -89,6 +90,24 @@ def test_route_zero_tokens_and_ids_distinct():
     assert all(len(set(g)) <= 2 for g in groups)
 
 
+@pytest.mark.parametrize("E, K, kw", [
+    (8, 2, dict()), (16, 4, dict(renormalize=False)), (24, 3, dict(num_groups=4, topk_groups=2)),
+    (32, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4)), (16, 16, dict(scoring="sigmoid")), (5, 1, dict()),
+])
+def test_route_matches_the_oracle(E, K, kw):
+    """Random logits (and a bias for sigmoid scoring) against epmoe.oracle.route_ref, which routes token by
+    token in float64 from the definition: the same ids in the same order, weights to float32 rounding."""
+    g = torch.Generator().manual_seed(E + K)
+    logits = torch.randn(37, E, generator=g)
+    bias = torch.randn(E, generator=g) * 0.1 if kw.get("scoring") == "sigmoid" else None
+    cfg = _cfg(E, K, **kw)
+    w, ids = epmoe.route(logits, cfg, correction_bias_E=bias, routed_scaling_factor=1.5)
+    w_ref, ids_ref = route_ref(logits, K, scoring=cfg.scoring, renormalize=cfg.renormalize, num_groups=cfg.num_groups,
+                               topk_groups=cfg.topk_groups, correction_bias_E=bias)
+    assert torch.equal(ids.long(), ids_ref)
+    torch.testing.assert_close(w.double(), w_ref * 1.5, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kwargs, logits, words", [
     ({}, torch.zeros(2, 5), "logits_TE must be [T, E=4]"),
     ({}, torch.zeros(2, 4, dtype=torch.int64), "float"),
@@ -111,11 +130,13 @@ def _both(monkeypatch, logits, cfg, **kw):
     return got, epmoe.route(logits, cfg, **kw)
 
 
-def _assert_same_choice(got, want, choice_TE):
+def _assert_same_choice(got, want, logits, cfg, bias=None, scale=1.0):
     """ids equal, in order, on at least 90% of the rows; on the others the choice scores at both sets of
-    ids agree to 1e-5 (ties, or near ties that the scores' last bits decide); weights close on equal
-    rows."""
+    ids agree to 1e-5 (ties, or near ties that the scores' last bits decide). Weights on every row are the
+    scores of the ids chosen there (renormalized as cfg says, times `scale`)."""
     (w, ids), (w_ref, ids_ref) = got, want
+    scores_TE = _choice(logits, cfg.scoring)
+    choice_TE = _choice(logits, cfg.scoring, bias)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == ids_ref.shape
     differ = (ids != ids_ref).any(1)
     assert int(differ.sum()) <= 0.1 * ids.shape[0], f"{int(differ.sum())} of {ids.shape[0]} rows differ"
@@ -124,6 +145,10 @@ def _assert_same_choice(got, want, choice_TE):
         a = choice_TE[rows].gather(1, ids[rows].long()).sort(1).values
         b = choice_TE[rows].gather(1, ids_ref[rows].long()).sort(1).values
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    picked = scores_TE.gather(1, ids.long())
+    if cfg.renormalize:
+        picked = picked / picked.sum(1, keepdim=True)
+    torch.testing.assert_close(w, picked * scale, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(w[~differ], w_ref[~differ], atol=1e-6, rtol=1e-5)
 
 
@@ -154,7 +179,7 @@ def test_kernel_matches_torch_on_random_logits(version, monkeypatch, E, K, kw, d
     bias = (torch.randn(E, 2, generator=g) * 0.1)[:, 0] if cfg.scoring == "sigmoid" else None  # stride 2
     route_kw = {"correction_bias_E": bias, "routed_scaling_factor": kw.get("routed_scaling_factor", 1.0)}
     got, want = _both(monkeypatch, logits, cfg, **route_kw)
-    _assert_same_choice(got, want, _choice(logits, cfg.scoring, bias))
+    _assert_same_choice(got, want, logits, cfg, bias, route_kw["routed_scaling_factor"])
     assert all(len(set(row)) == K for row in got[1].tolist())
 
 
@@ -191,7 +216,7 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
                    (_cfg(256, 8), None), (_cfg(128, 8, renormalize=False), None)]:
         x = logits[:, :cfg.num_experts]
         got, want = _both(monkeypatch, x, cfg, correction_bias_E=b)
-        _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
+        _assert_same_choice(got, want, x, cfg, b)
     # the launches of other blocks and warps: K = E = 64 (32 tokens a program), 4096 experts (one, 8 warps)
     wide = torch.randn(300, 4096, device="cuda", generator=g)
     wide_bias = torch.randn(4096, device="cuda", generator=g) * 0.1
@@ -199,7 +224,7 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
                    (_cfg(4096, 8, scoring="sigmoid", num_groups=64, topk_groups=8), wide_bias)]:
         x = wide[:, :cfg.num_experts]
         got, want = _both(monkeypatch, x, cfg, correction_bias_E=b)
-        _assert_same_choice(got, want, _choice(x, cfg.scoring, b))
+        _assert_same_choice(got, want, x, cfg, b)
     monkeypatch.undo()  # route's own choice of version from here
     w, _ = epmoe.route(logits.clone().requires_grad_(), _cfg(256, 8))
     assert w.requires_grad  # logits that need a gradient take the torch version
@@ -207,7 +232,7 @@ def test_kernel_matches_torch_on_gpu_at_deepseek_v3_scale(version, monkeypatch):
         x = logits.to("cuda:1")
         got, want = epmoe.route(x, _cfg(256, 8)), epmoe.routing._route_torch(x, 8, "softmax", None, None, None,
                                                                              True, 1.0)
-        _assert_same_choice(got, want, _choice(x, "softmax"))
+        _assert_same_choice(got, want, x, _cfg(256, 8))
 
 
 @pytest.mark.parametrize("version", ["kernel"], indirect=True)  # the kernel's compile check

@@ -38,7 +38,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (rtol, atol) for outputs of magnitude ~1 stored in each dtype.
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 3e-2)}
-FP8_TOL = (0.0, 0.1)  # outputs of magnitude ~1 computed from fp8 h (relative step 1/16)
+# Outputs computed from fp8 h, stored in bf16: the kernel's and the reference's float32 values round to bf16
+# apart by up to one bf16 step (2^-7 relative); measured over 12 seeds of the CPU cases (150k outputs): within
+# 2^-7 |y| + 4e-8. Twice that, plus an absolute 2^-7 for an h value whose e4m3 rounding flips.
+FP8_TOL = (2 ** -6, 2 ** -7)
 FP8_H_TOL = (0.07, 0.01)  # fp8 h itself: e4m3 rounds within 2^-4 of the value
 
 # Rows per expert: empty, single, crossing the 16-row tile, skewed, all empty.
@@ -694,11 +697,12 @@ def assert_fp8_outputs_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
     reference's in the last bits, so an h value at an e4m3 rounding tie (or a 128-column group's amax,
     which sets the group's scale) may round the other way. Allow that for a few outputs in a million,
     within 3x the tolerance; every other output within FP8_TOL."""
-    _, atol = FP8_TOL
+    rtol, atol = FP8_TOL
     err = (y - y_ref).abs()
-    outliers = int((err > atol).sum())
-    assert outliers <= max(1, 2e-6 * err.numel()), f"{outliers} of {err.numel()} outputs beyond {atol}"
-    assert float(err.max()) <= 3 * atol, f"max error {float(err.max())}"
+    bound = atol + rtol * y_ref.abs()
+    outliers = int((err > bound).sum())
+    assert outliers <= max(1, 2e-6 * err.numel()), f"{outliers} of {err.numel()} outputs beyond {atol} + {rtol} |y|"
+    assert bool((err <= 3 * bound).all()), f"max error {float(err.max())}"
 
 
 @pytest.mark.gpu

@@ -35,9 +35,9 @@ def _all_gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
 
 
 class AllGatherDispatcher(Dispatcher):
-    """All-gather of x/ids/weights padded to the largest T (one host sync for the T exchange and
-    one for the row count), laid out as a row index into the gathered rows; then a float32
-    reduce-scatter of the partial sums (one kernel) in combine."""
+    """All-gather of x/ids/weights padded to the largest T (one host sync for the T exchange, which also
+    carries each rank's config fingerprint, and one for the row count), laid out as a row index into the
+    gathered rows; then a float32 reduce-scatter of the partial sums (one kernel) in combine."""
 
     name = "allgather"
     layout = Layout.CONTIGUOUS
@@ -45,8 +45,10 @@ class AllGatherDispatcher(Dispatcher):
     def _dispatch(self, x_TD, ids_TK, weights_TK) -> ExpertBatch:
         R, g, L = self.world_size, self.group, self.num_local_experts
         T = x_TD.shape[0]
-        sizes = _all_gather(torch.tensor([T], dtype=torch.int64, device=x_TD.device), g, R)
-        Tm = max(1, int(sizes.max()))  # host sync
+        meta_R2 = _all_gather(torch.tensor([[T, self.cfg_fingerprint]], dtype=torch.int64, device=x_TD.device), g, R)
+        sizes, fingerprints = meta_R2.t().tolist()  # host sync
+        self.check_same_config(fingerprints)  # on every rank alike, before rows of other sizes cross
+        Tm = max(1, max(sizes))
         pad = Tm - T
         x_all = _all_gather(F_.pad(x_TD, (0, 0, 0, pad)), g, R)
         ids_all = _all_gather(F_.pad(ids_TK.to(torch.int32), (0, 0, 0, pad), value=-1), g, R)

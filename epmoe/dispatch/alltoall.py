@@ -41,8 +41,9 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
 
 
 class AllToAllDispatcher(Dispatcher):
-    """Two host syncs per dispatch (the pair list and the count exchange) and one for the row count; the
-    batch is a row index into the received rows, with their top-k weights (weights_N).
+    """Two host syncs per dispatch (the pair list and the count exchange, which also carries each rank's
+    config fingerprint) and one for the row count; the batch is a row index into the received rows, with
+    their top-k weights (weights_N).
 
     Rows travel packed as bytes: [x row | K local ids (int32) | K weights (float32)], one collective.
     """
@@ -60,10 +61,11 @@ class AllToAllDispatcher(Dispatcher):
         wants_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=dev).scatter_(1, dest_TK, True)[:, :R]
         pairs = wants_TR.t().nonzero()  # host sync; (rank, token) sorted by rank, then token
         send_rank_S, send_token_S = pairs[:, 0], pairs[:, 1]
-        send_counts_R = wants_TR.sum(0)
-        recv_counts_R = torch.empty_like(send_counts_R)
-        dist.all_to_all_single(recv_counts_R, send_counts_R, group=g)
-        send_counts, recv_counts = send_counts_R.tolist(), recv_counts_R.tolist()  # host sync
+        send_R2 = torch.stack([wants_TR.sum(0), torch.full((R,), self.cfg_fingerprint, device=dev)], dim=1)
+        recv_R2 = torch.empty_like(send_R2)
+        dist.all_to_all_single(recv_R2, send_R2, group=g)  # counts, and each rank's config fingerprint
+        send_counts, (recv_counts, fingerprints) = send_R2[:, 0].tolist(), recv_R2.t().tolist()  # host sync
+        self.check_same_config(fingerprints)  # on every rank alike, before rows of other sizes cross
 
         local_SK = ids_TK[send_token_S] - (send_rank_S * L).unsqueeze(1).to(torch.int32)
         local_SK = torch.where((ids_TK[send_token_S] >= 0) & (local_SK >= 0) & (local_SK < L), local_SK, -1)
