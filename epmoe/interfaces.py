@@ -345,6 +345,7 @@ class Experts(torch.nn.Module, ABC):
     whether they read rows through a batch's row_index_N (`reads_row_index`); batches with a row index
     are materialized (one copy) for those that do not. `applies_weights`: they can multiply each output
     row by its top-k weight (batch.weights_N) in the down projection (`forward(batch, weighted=True)`).
+    `syncs_host`: a forward reads device values on the host (so no CUDA graph can capture it).
     """
 
     name: ClassVar[str]
@@ -352,6 +353,7 @@ class Experts(torch.nn.Module, ABC):
     quants: ClassVar[frozenset[str | None]]
     reads_row_index: ClassVar[bool] = False
     applies_weights: ClassVar[bool] = False
+    syncs_host: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, num_local_experts: int, device: torch.device | str) -> None:
         super().__init__()

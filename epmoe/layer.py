@@ -54,7 +54,8 @@ class FusedMoE(torch.nn.Module):
             scaled by cfg.routed_scaling_factor first); it sees the whole local batch, as [T, D].
         device: where activations and local weights live (default: current CUDA device, else CPU);
             ValueError for a CUDA device that is not there.
-        cuda_graphs: on one GPU with a dispatcher free of host syncs (`local`), replay the routed part
+        cuda_graphs: on one GPU with a dispatcher and experts free of host syncs (`local`, `triton`
+            or `grouped_mm`), replay the routed part
             (dispatch, experts, combine) as a CUDA graph per bucket of token counts (epmoe.graphs) for
             calls of up to `graphs.max_tokens` tokens, where queueing the eager kernels would take the
             host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
@@ -115,7 +116,8 @@ class FusedMoE(torch.nn.Module):
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
         self.graphs: RoutedGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync:
+        if (cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync
+                and not self.experts.syncs_host):
             self.graphs = RoutedGraphs(self._routed, cfg, self.device, pool=graph_pool, max_tokens=graph_max_tokens)
 
     def load_experts(self, w13_END: torch.Tensor, w2_EDF: torch.Tensor, *, w13_scale: torch.Tensor | None = None,

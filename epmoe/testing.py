@@ -23,14 +23,15 @@ from .layer import FusedMoE, GatedMLP
 from .oracle import MoERef
 from .registry import dispatcher_class, experts_class, list_dispatchers, list_experts, resolve_experts
 
-# Relative L2 norm error ||out - ref|| / ||ref|| allowed against the float64 oracle (`epmoe.oracle`): about twice
-# the largest measured on the CPU (`epmoe check` and `epmoe soak`: every dispatcher and experts that run there,
-# gloo and emulated ranks, the Triton kernels under the interpreter, whose bf16 casts round ties down; a call's
-# error is largest with one or two tokens on a rank): fp32 3.9e-7 (summation order), fp16 4.9e-4, bf16 1.34e-2
-# (h, partial sums between ranks and the output rounded to bf16), fp8_block 9.6e-3 (as bf16, and an h value next
-# to an e4m3 rounding boundary may round the other way than in the oracle, which rounds through fp8 as the
-# format says).
-TOLERANCES = {"fp32": 1e-6, "fp16": 1e-3, "bf16": 3e-2, "fp8_block": 2e-2}
+# Relative L2 norm error ||out - ref|| / ||ref|| allowed against the float64 oracle (`epmoe.oracle`), above the
+# largest measured (`epmoe check` and `epmoe soak`; a call's error is largest with one or two tokens on a rank):
+# on the CPU (every dispatcher and experts that run there, gloo and emulated ranks, the Triton kernels under the
+# interpreter, whose bf16 casts round ties down) fp32 3.9e-7, fp16 4.9e-4, bf16 1.34e-2, fp8_block 9.6e-3; on an
+# H200 (emulated ht and ll ranks in CUDA graphs, one-token calls) fp32 1.07e-6 (summation order), bf16 3.8e-3 and
+# fp8_block 4.8e-2: an h value next to an e4m3 rounding boundary may round the other way than in the oracle
+# (which rounds through fp8 as the format says), and with few outputs one such flip weighs. Margins: fp32 and
+# fp16 2-3x, bf16 2x, fp8_block 1.25x.
+TOLERANCES = {"fp32": 3e-6, "fp16": 1e-3, "bf16": 3e-2, "fp8_block": 6e-2}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 

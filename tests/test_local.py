@@ -157,6 +157,8 @@ def test_gpu_graph_replays_equal_the_eager_path():
     eager = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda", cuda_graphs=False)
     eager.load_experts(weights.w13_END, weights.w2_EDF)
     assert moe.graphs is not None and moe.graphs.max_tokens >= 64 and eager.graphs is None
+    syncing = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cuda")
+    assert syncing.graphs is None  # the reference experts read counts on the host: nothing to capture
     outs = []
     for T in (7, 3, 8, 5, 64, 1):
         x, ids, w = _inputs(cfg, T, T, "cuda", weights_dtype=torch.bfloat16)

