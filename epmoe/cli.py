@@ -157,12 +157,16 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         spec = spec_from_args(args)
     except ValueError as e:
         fail(parser, str(e))
-    if not _under_torchrun() and args.nproc in (None, 1):  # one rank, in this process
+    one_rank = not _under_torchrun() and args.nproc in (None, 1)  # in this process
+    world_size = 1 if one_rank else launch_world_size(parser, args.device, args.nproc)
+    if not any(spec.batch[r % len(spec.batch)] for r in range(world_size)):
+        fail(parser, f"--batch {args.batch}: no prompts on any of the {world_size} rank(s)")
+    if one_rank:
         if args.device == "cuda" and not torch.cuda.is_available():
             fail(parser, "--device cuda: no CUDA device is visible here (--device cpu runs on the CPU)")
         device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
         return generate_rank(launch.RankContext(0, 1, device, None), spec)
-    return run_ranks(generate_rank, args.device, launch_world_size(parser, args.device, args.nproc), (spec,))
+    return run_ranks(generate_rank, args.device, world_size, (spec,))
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -207,9 +211,10 @@ def _without_mode(argv: Sequence[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of `epmoe demo|check` (`bench` hands its options to the benchmark); each subcommand's
-    parser is its namespace's `command_parser`."""
-    parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE: demo, check, bench.")
+    """The parser of `epmoe demo|check|generate`, with entries for `bench` and `soak` (whose options their
+    modules parse); each subcommand's parser is its namespace's `command_parser`."""
+    parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE: demo, check, bench, generate, "
+                                                               "soak.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a DeepSeek-shaped MoE layer through every dispatcher, "
                                        "check it against one rank and time it")

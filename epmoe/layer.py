@@ -111,8 +111,7 @@ class FusedMoE(torch.nn.Module):
         if buffers is not None and torch.device(buffers) != self.device:
             raise ValueError(f"dispatcher {self.dispatcher.name!r} keeps its buffers on {buffers}, the layer is on "
                              f"{self.device}: make the layer's device the current one (torch.cuda.set_device)")
-        self.experts = make_experts(experts, cfg, self.num_local_experts, self.device,
-                                    self.dispatcher.layout, self.world_size)
+        self.experts = make_experts(experts, cfg, self.num_local_experts, self.device, self.dispatcher.layout)
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
         self.graphs: RoutedGraphs | None = None

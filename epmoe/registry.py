@@ -29,9 +29,8 @@ _EXPERTS = {
 _AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 
 
-def auto_experts_order(cfg: MoEConfig, device: torch.device, layout: Layout | None = None,
-                       world_size: int = 1) -> tuple[str, ...]:
-    """The experts names "auto" tries, best first (a pure function of config, device and layout).
+def auto_experts_order(device: torch.device) -> tuple[str, ...]:
+    """The experts names "auto" tries, best first (a pure function of the device).
 
     CPU: the reference (the Triton interpreter is for tests, not speed). CUDA: the Triton kernels (both
     layouts, fp8, rows read through a batch's row index, the top-k weights in the down projection),
@@ -97,10 +96,10 @@ def resolve_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | Non
 
 
 def resolve_experts(name: str, cfg: MoEConfig, device: torch.device | str | None = None,
-                    layout: Layout | None = None, world_size: int = 1) -> str:
+                    layout: Layout | None = None) -> str:
     """Map "auto" to the best available name that takes `layout` (any if None); refuse an unavailable name."""
     device = default_device() if device is None else torch.device(device)
-    order = tuple(c for c in auto_experts_order(cfg, device, layout, world_size)
+    order = tuple(c for c in auto_experts_order(device)
                   if layout is None or layout in experts_class(c).layouts)
     return _resolve("experts", name, list_experts(cfg, device), order)
 
@@ -113,8 +112,6 @@ def make_dispatcher(name: str, cfg: MoEConfig, group: dist.ProcessGroup | None =
     return dispatcher_class(resolve_dispatcher(name, cfg, group))(cfg, group, **options)
 
 
-def make_experts(name: str, cfg: MoEConfig, num_local_experts: int, device, layout: Layout | None = None,
-                 world_size: int = 1) -> Experts:
-    """Build experts implementation `name` ("auto" picks one for `layout` and world size) holding
-    `num_local_experts` experts."""
-    return experts_class(resolve_experts(name, cfg, device, layout, world_size))(cfg, num_local_experts, device)
+def make_experts(name: str, cfg: MoEConfig, num_local_experts: int, device, layout: Layout | None = None) -> Experts:
+    """Build experts implementation `name` ("auto" picks one for `layout`) holding `num_local_experts` experts."""
+    return experts_class(resolve_experts(name, cfg, device, layout))(cfg, num_local_experts, device)

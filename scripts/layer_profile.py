@@ -134,7 +134,7 @@ def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
     cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     moe = build_layer(cfg, weights, ctx.group, name, args.experts, ctx.device)
     marks = _Marks()
-    start_chunk_count = moe._start_chunk_count
+    start_chunk_count = moe.dispatcher.start_chunk_count
 
     def chunk_count(*a):
         marks.mark("chunk count start >")
@@ -150,12 +150,14 @@ def _host_timeline(ctx, args, inputs, name: str) -> FusedMoE:
     marked = [(moe.shared_experts, "forward", "shared experts"), (moe.experts, "_forward", "experts"),
               (moe.dispatcher, "combine", "combine"), (epmoe.layer, "route", "route"),
               (triton_experts, "gate_up", "gate_up"), (triton_experts, "down", "down")]
-    marked += [(moe.dispatcher, attr, attr.lstrip("_")) for attr in ("_dispatch_send", "_batch_size", "_dispatch_recv")
+    marked += [(moe.dispatcher, attr, attr.lstrip("_")) for attr in ("_dispatch_send", "dispatch_recv")
                if hasattr(moe.dispatcher, attr)]
+    schedule = getattr(moe.dispatcher, "_schedule", None)  # ht: the batch size's host read
+    marked += [(schedule, "batch_size", "batch_size")] if hasattr(schedule, "batch_size") else []
     marked += _deep_marks(moe) if args.deep else []
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in marked]  # restored before --cprofile
-    saved.append((moe, "_start_chunk_count", start_chunk_count))
-    moe._start_chunk_count = chunk_count
+    saved.append((moe.dispatcher, "start_chunk_count", start_chunk_count))
+    moe.dispatcher.start_chunk_count = chunk_count
     for owner, attr, label in marked:
         marks.wrap(owner, attr, label)
     runs = []

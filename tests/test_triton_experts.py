@@ -435,6 +435,12 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
     assert gemm_config("gate_up", fp8=True, rows_hint=9, on_gpu=True, indexed=True) == WS.pointer_variant(1)
     wide = gemm_config("down", fp8=False, rows_hint=9, on_gpu=True, element_size=4)  # float32: pointer kernel
     assert wide.warp_specialize is None and wide.block_k == 32
+    # decode sizes keep the plain table's hand-set buckets below the indexed entry's first bound
+    small = GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1)
+    table["gate_up_bf16"] = [[64, small], [10 ** 9, WS]]
+    table["gate_up_bf16_indexed"] = [[128, configs.INTERPRETER_CONFIG], [10 ** 9, configs.INTERPRETER_CONFIG]]
+    assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == small.pointer_variant(2)
+    assert gemm_config("gate_up", fp8=False, rows_hint=65, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -745,17 +751,12 @@ def test_bench_floor_and_table_format(tmp_path):
             bench.main(["--out", str(tmp_path)])
 
 
-def test_auto_experts_order_by_shape_and_layout():
+def test_auto_experts_order_by_device_and_layout():
     """On CUDA the Triton experts first at every size (they read the batches' row index and weight the rows
-    in the down projection), torch._grouped_mm next; the reference on CPU."""
-    cuda = torch.device("cuda")
-    big = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=8192)
-    decode = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=128)
-    assert auto_experts_order(big, cuda, Layout.CONTIGUOUS, 2) == ("triton", "grouped_mm", "reference")
-    assert auto_experts_order(big, cuda, Layout.CONTIGUOUS, 1)[0] == "triton"
-    assert auto_experts_order(big, cuda, Layout.BATCHED, 2)[0] == "triton"
-    assert auto_experts_order(decode, cuda, Layout.CONTIGUOUS, 8)[0] == "triton"
-    fp8 = MoEConfig(num_experts=256, top_k=8, hidden_size=64, intermediate_size=32, max_tokens_per_rank=8192,
-                    quant="fp8_block")
-    assert auto_experts_order(fp8, cuda, Layout.CONTIGUOUS, 8)[0] == "triton"
-    assert auto_experts_order(big, torch.device("cpu"), Layout.CONTIGUOUS, 2) == ("reference",)
+    in the down projection), torch._grouped_mm next; the reference on CPU; layouts an implementation does not
+    take are dropped."""
+    assert auto_experts_order(torch.device("cuda")) == ("triton", "grouped_mm", "reference")
+    assert auto_experts_order(torch.device("cpu")) == ("reference",)
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32)
+    if torch.cuda.is_available():
+        assert resolve_experts("auto", cfg, "cuda", Layout.BATCHED) == "triton"

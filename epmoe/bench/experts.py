@@ -11,7 +11,7 @@ times, in one run (median of do_bench repeats, L2 flushed before each repeat, ra
   gmm              torch._grouped_mm gate-up + down, the GEMMs alone (SiLU-and-mul not counted)
   dense            one dense cuBLAS matmul pair of the same total size ([R, D] x [D, 2F], [R, F] x [F, D])
 and prints TFLOP/s, the ratios triton/gmm and triton/dense, and the floor: max(flops / peak, bytes /
-bandwidth) with the H200 peaks of GPU.md, as % of floor reached (floor time / measured time).
+bandwidth) with the H200 peaks of BENCHMARKS.md's machines section, as % of floor reached (floor time / measured time).
 Bytes of the floor: weights + x + h written and read + y (fp8: weights, x, h in 1 byte).
 Total rows are capped at --max-rows (default 131072): a point with L*t above the cap runs on the
 first max_rows // t experts (reported as L_run), which keeps memory and runtime small.
@@ -41,12 +41,12 @@ import triton.testing
 from ..kernels import configs as configs_mod
 from ..kernels.grouped_gemm import ExpertRows, down, gate_up
 from ..kernels.quant import quantize_act
-from ..quant import quantize_weight_ref
+from ..quant import quantize_weights_ref
 from . import experts_tune
 
-PEAK_BF16_TFLOPS = 686.0   # GPU.md: dense bf16 8192^3 matmul on one H200
-PEAK_FP8_TFLOPS = 1276.0   # GPU.md: torch._scaled_mm tensorwise fp8
-COPY_TBPS = 4.16           # GPU.md: device copy, read + write
+PEAK_BF16_TFLOPS = 686.0   # dense bf16 8192^3 matmul on one H200 (BENCHMARKS.md, machines)
+PEAK_FP8_TFLOPS = 1276.0   # torch._scaled_mm tensorwise fp8 (same)
+COPY_TBPS = 4.16           # device copy, read + write (same)
 
 SHAPES = {  # name: (D, F, L)
     "dsv3-128": (7168, 2048, 128),
@@ -87,11 +87,6 @@ def random_weights(L: int, D: int, F: int, device) -> tuple[torch.Tensor, torch.
     w13 = torch.randn(L, 2 * F, D, dtype=torch.bfloat16, device=device).mul_(D ** -0.5)
     w2 = torch.randn(L, D, F, dtype=torch.bfloat16, device=device).mul_(F ** -0.5)
     return w13, w2
-
-
-def quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = [quantize_weight_ref(w_NK) for w_NK in w]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def uniform_rows(L: int, t: int, device) -> tuple[ExpertRows, ExpertRows]:
@@ -196,8 +191,8 @@ def run_bench(args, dev: torch.device) -> dict:
     for name in args.shapes:
         D, F, L = SHAPES[name]
         w13, w2 = random_weights(L, D, F, dev)
-        q13, s13 = quantize_per_expert(w13)
-        q2, s2 = quantize_per_expert(w2)
+        q13, s13 = quantize_weights_ref(w13)
+        q2, s2 = quantize_weights_ref(w2)
         weights = (w13, w2, q13, s13, q2, s2)
         for t in args.tokens:
             t0 = time.perf_counter()

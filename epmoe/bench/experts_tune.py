@@ -43,7 +43,7 @@ from ..kernels import configs as configs_mod
 from ..kernels.configs import GemmConfig
 from ..kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref
 from ..kernels.quant import quantize_act
-from ..quant import dequantize_act_ref, quantize_act_ref
+from ..quant import dequantize_act_ref, quantize_act_ref, quantize_weights_ref
 
 BUCKETS = (128, 256, 1_000_000_000)  # the table's bounds tuned here (rows per expert)
 # (shape, t) points each bucket is tuned on; shapes as in epmoe.bench.experts.SHAPES.
@@ -119,13 +119,13 @@ def _shape(name: str) -> tuple[int, int, int]:
 
 
 def _weights(L: int, D: int, F: int, fp8: bool, device, seed: int = 0):
-    from .experts import quantize_per_expert, random_weights
+    from .experts import random_weights
     torch.manual_seed(seed)
     w13, w2 = random_weights(L, D, F, device)
     if not fp8:
         return w13, None, w2, None
-    q13, s13 = quantize_per_expert(w13)
-    q2, s2 = quantize_per_expert(w2)
+    q13, s13 = quantize_weights_ref(w13)
+    q2, s2 = quantize_weights_ref(w2)
     return q13, s13, q2, s2
 
 

@@ -57,12 +57,12 @@ import triton
 from .._table import format_table
 from ..config import MoEConfig
 from ..layer import FusedMoE
-from ..quant import dequantize_weight_ref
+from ..quant import dequantize_weight_ref, quantize_weights_ref
 from ..registry import list_experts
 from ..testing import TOLERANCES, rel_error
 from ..timing import sync
 from . import hf_peer
-from .experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, Floor, fmt, quantize_per_expert
+from .experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, Floor, fmt
 from .hf_peer import MoEShape
 
 SHAPES = {s.name: s for s in (
@@ -165,8 +165,8 @@ def make_weights(shape: MoEShape, fp8: bool, seed: int, device: torch.device) ->
     w2_EDF = torch.randn(E, D, F, dtype=torch.bfloat16, device=device, generator=gen).mul_(F ** -0.5)
     if not fp8:
         return ShapeWeights(w13_END, w2_EDF, None)
-    q13, s13 = quantize_per_expert(w13_END)
-    q2, s2 = quantize_per_expert(w2_EDF)
+    q13, s13 = quantize_weights_ref(w13_END)
+    q2, s2 = quantize_weights_ref(w2_EDF)
     for w, q, s in ((w13_END, q13, s13), (w2_EDF, q2, s2)):
         for e in range(E):  # one expert at a time: the float32 temporaries stay one expert's size
             w[e].copy_(dequantize_weight_ref(q[e], s[e]))

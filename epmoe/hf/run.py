@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoConfig
 
+from ..cli import DTYPES
 from ..launch import RankContext
 from ..testing import TOLERANCES as TESTING_TOLERANCES
 from ..testing import rel_error
@@ -35,7 +36,6 @@ from .loading import fp8_checkpoint, from_pretrained, load_dequantized
 from .parallel import EPOptions, expert_parallel, experts_modules, generate
 from .presets import build, preset_config
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative L2 error allowed against transformers' eager experts on the same inputs. fp8_block: epmoe
 # quantizes the activations (x, and h between the GEMMs, per token per 128 columns; e4m3's rounding has an
 # RMS of 2^-4/sqrt(3) ~ 3.6% each time) and the dequantized reference does not: ~5% apart, 1e-1 allowed.

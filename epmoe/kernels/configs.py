@@ -19,9 +19,7 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("configs.json")
 OPS = ("gate_up", "down")
 # Schedules of the warp-specialized kernel (epmoe/kernels/grouped_gemm_ws.py): one consumer of 8 warps,
-# or two of 4 warps taking K blocks of two tiles at once (interleaved). (Two consumers taking alternate
-# tiles from one ring filled tile after tile wait on ring phases two or more ahead of the barriers': it
-# failed on the H200 at DeepSeek-V3's and Mixtral's K and is not offered.)
+# or two of 4 warps taking K blocks of two tiles at once (interleaved).
 WS_SCHEDULES = ("cooperative", "interleaved")
 # Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
 _POINTER_STAGE_BYTES = 200 * 1024
@@ -119,15 +117,17 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
         indexed: the activations are read through a row index (the pointer kernel only): the table's
-            `_indexed` entry where it has one, else the plain entry's `pointer_variant`.
+            `_indexed` entry from its first bucket's size up where it has one (the hand-set decode buckets
+            below it), else the plain entry's `pointer_variant`.
     """
     key = table_key(op, fp8)
     if not on_gpu:
         return INTERPRETER_CONFIG
     table = _table()
-    if indexed and table_key(op, fp8, indexed=True) in table:
-        key = table_key(op, fp8, indexed=True)
     buckets = table[key]
+    tuned = table.get(table_key(op, fp8, indexed=True)) if indexed else None
+    if tuned is not None and rows_hint > max((bound for bound, _ in buckets if bound < tuned[0][0]), default=0):
+        buckets = tuned  # the `_indexed` entry's buckets from its first bound up; below, the plain table's
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
     if indexed:
         cfg = cfg.pointer_variant(1 if fp8 else element_size)

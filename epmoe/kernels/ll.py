@@ -278,7 +278,7 @@ def _combine_recv_kernel(
 @dataclass(frozen=True)
 class LLPeers:
     """int64 [R] address tables of the buffers peers write (each rank's address of the LLBuffers field
-    of the same name; None where that buffer is)."""
+    of the same name; None where the LLBuffers field is None)."""
 
     recv_x: torch.Tensor
     recv_scale: torch.Tensor | None

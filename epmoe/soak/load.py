@@ -320,7 +320,7 @@ def emulated_world(cfg: MoEConfig, R: int, d_key: str, e_name: str, w13_END: tor
     L = cfg.num_experts // R
     experts = []
     for r, d in enumerate(dispatchers):
-        e = make_experts(e_name, cfg, L, device, d.layout, R)
+        e = make_experts(e_name, cfg, L, device, d.layout)
         e.load(w13_END[r * L:(r + 1) * L], w2_EDF[r * L:(r + 1) * L])
         experts.append(e)
     return dispatchers, experts

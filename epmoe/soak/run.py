@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from .. import launch
+from ..cli import at_least
 from .._table import format_table
 from .load import CPU_LOAD, GPU_LOAD, PRECISIONS, LoadSpec, Tally, digest_of, soak_emulated, soak_layers
 
@@ -28,13 +29,6 @@ PARTS = ("load", "graphs", "faults", "inputs")
 RSS_SLACK = 64 << 20  # host RSS may wander this much after the warm-up (allocator caches, interpreter)
 FAULT_SLACK_S = 5.0  # a fault may end this long after its time-out (process start-up of a fresh group)
 QUICK = dict(calls=40, interpreted_calls=3, reruns=3, replays=20)  # the CI size
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _names(choices: Sequence[str]):
@@ -57,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precisions", type=_names(tuple(PRECISIONS)), default=tuple(PRECISIONS))
     p.add_argument("--experts", type=_names(("reference", "triton", "grouped_mm")), default=None,
                    help="experts implementations (default: every one available)")
-    p.add_argument("--calls", type=_positive, default=None, help="layer calls per path")
-    p.add_argument("--interpreted-calls", type=_positive, default=None,
+    p.add_argument("--calls", type=at_least(1), default=None, help="layer calls per path")
+    p.add_argument("--interpreted-calls", type=at_least(1), default=None,
                    help="calls per path that runs Triton kernels under the interpreter (cpu)")
     p.add_argument("--reruns", type=int, default=None, help="calls run again on a fresh layer (hashes compared)")
-    p.add_argument("--replays", type=_positive, default=1000, help="replays per CUDA graph")
-    p.add_argument("--emulated-ranks", type=_positive, default=None)
+    p.add_argument("--replays", type=at_least(1), default=1000, help="replays per CUDA graph")
+    p.add_argument("--emulated-ranks", type=at_least(1), default=None)
     p.add_argument("--fault-timeout", type=float, default=3.0, help="collective time-out of the gloo faults (s)")
     p.add_argument("--wait-timeout", type=float, default=None,
                    help="device-side wait time-out of the emulated faults (s; default 1 on cuda, 0.002 on cpu, "
@@ -70,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="the CI size: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=_positive, default=1,
+    p.add_argument("--threads", type=at_least(1), default=1,
                    help="torch CPU threads of each process (default 1: the soak's tensors are small, and more "
                         "threads only wait on each other on a shared CPU)")
     p.add_argument("--out", default=None, help="folder for soak.json")
