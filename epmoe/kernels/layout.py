@@ -278,12 +278,9 @@ def sort_pairs_ref(ids_PK: torch.Tensor, num_local_experts: int, *, first_expert
     local = ids - first_expert
     bad = torch.zeros_like(ids, dtype=torch.bool) if num_experts is None else (ids < -1) | (ids >= num_experts)
     mine = (local >= 0) & (local < L) & ~bad
-    if num_experts is not None:
-        mine &= ids < num_experts
-        if bad_id_1 is not None:
-            worst = torch.where(bad, ids, torch.full_like(ids, -(1 << 62))).max() if ids.numel() else None
-            if worst is not None:
-                bad_id_1.copy_(torch.where(bad.any(), worst, bad_id_1.reshape(())).reshape(1))
+    if num_experts is not None and bad_id_1 is not None and ids.numel():
+        worst = torch.where(bad, ids, torch.full_like(ids, -(1 << 62))).max()
+        bad_id_1.copy_(torch.where(bad.any(), worst, bad_id_1.reshape(())).reshape(1))
     key = torch.where(mine, local, torch.full_like(local, L))
     order_N = torch.argsort(key, stable=True)
     counts_L = torch.zeros(L + 1, dtype=torch.int32, device=dev).scatter_add_(
