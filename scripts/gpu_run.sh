@@ -7,9 +7,10 @@
 # layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
-#   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak)
+#   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
+#   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# profile and hfprofile). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -17,7 +18,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,moe,dispatch,ll,layer,gemm,soak}"
+STAGES="${2:-env,tests,tests2,check,demo,experts,moe,generate,dispatch,ll,layer,gemm,soak}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -66,6 +67,8 @@ stage check    "${EPMOE[@]}" check --device cuda --nproc "$NPROC"
 stage demo     "${EPMOE[@]}" demo --device cuda --nproc "$NPROC"
 stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
 stage moe      "${EPMOE[@]}" bench moe --out "$OUT"
+stage generate "${EPMOE[@]}" generate --preset qwen3-30b-a3b,deepseek-v2-lite --layers 4 --bench --out "$OUT"
+stage hfprofile "${LIMIT[@]}" "$PY" scripts/hf_profile.py --preset qwen3-30b-a3b deepseek-v2-lite --out "$OUT"
 stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
