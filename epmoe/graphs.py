@@ -7,9 +7,11 @@ Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a powe
 K top-k.
 
 A replay copies the call's x, ids and weights into the bucket's static inputs (rows past T keep ids -1,
-so they route nowhere), replays, and returns a copy of the static output's first T rows: the caller owns
-it, the next replay cannot change it. The graphs of a layer share one memory pool (replays never run at
-once), and a pool may be shared by several layers' graphs (`pool`, e.g. every MoE layer of a model).
+so they route nowhere), replays (the graph ends by copying its result into the bucket's static output),
+and returns a copy of the static output's first T rows: the caller owns it, the next replay cannot
+change it. The graphs of a layer share one `GraphPool` (replays never run at once): a CUDA graph memory
+pool for their intermediates and one set of static inputs and outputs per bucket. A pool may be shared
+by several layers' graphs (e.g. every MoE layer of a model), whose memory then is that of one layer's.
 """
 from __future__ import annotations
 
@@ -43,13 +45,50 @@ def max_bucket(cfg: MoEConfig, max_bytes: int = GRAPH_MAX_BYTES) -> int:
 
 
 @dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
+class _Static:
+    """A bucket's static inputs and output (outside the graphs' pool), shared by the graphs reading them."""
+
     x_BD: torch.Tensor
     ids_BK: torch.Tensor
     weights_BK: torch.Tensor
     out_BD: torch.Tensor
-    last_tokens: int  # T of the latest replay: ids rows [T, last) go back to -1 when a call has fewer
+    last_tokens: int = 0  # T of the latest replay: ids rows [T, last) go back to -1 when a call has fewer
+
+
+class GraphPool:
+    """Memory for the CUDA graphs of layers that never replay at the same time (a model's MoE layers, run
+    one after another on one stream): one graph memory pool for the graphs' intermediates, and one set of
+    static inputs and outputs per bucket, shape and dtypes. Give the same GraphPool to those layers
+    (`FusedMoE(graph_pool=...)`): their graphs then hold about one layer's memory, not one per layer.
+
+    Args:
+        device: the GPU ("cuda": the current one).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+        self.handle = torch.cuda.graph_pool_handle()
+        self._static: dict[tuple, _Static] = {}
+
+    def static(self, B: int, D: int, K: int, dtype: torch.dtype, ids_dtype: torch.dtype,
+               weights_dtype: torch.dtype) -> _Static:
+        """The static tensors of a bucket of B tokens: x [B, D] and out [B, D] in dtype, ids [B, K] (-1),
+        weights [B, K]; made on first use."""
+        key = (B, D, K, dtype, ids_dtype, weights_dtype)
+        if key not in self._static:
+            dev = self.device
+            self._static[key] = _Static(torch.zeros(B, D, dtype=dtype, device=dev),
+                                        torch.full((B, K), -1, dtype=ids_dtype, device=dev),
+                                        torch.zeros(B, K, dtype=weights_dtype, device=dev),
+                                        torch.empty(B, D, dtype=dtype, device=dev))
+        return self._static[key]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    static: _Static
 
 
 class RoutedGraphs:
@@ -61,8 +100,8 @@ class RoutedGraphs:
             and keep no state between calls that a replay would miss.
         cfg: the layer's config (sizes the buckets, `max_bucket`).
         device: the GPU.
-        pool: a graph memory pool handle (torch.cuda.graph_pool_handle()) to share with other layers'
-            graphs that never replay at the same time; default one of its own.
+        pool: a GraphPool to share with other layers whose graphs never replay at the same time (on
+            `device`); default one of its own.
         max_tokens: the largest call replayed (default `max_bucket(cfg)`; at most that).
     """
 
@@ -74,7 +113,9 @@ class RoutedGraphs:
         self.cfg = cfg
         self.device = device
         self.max_tokens = max_bucket(cfg) if max_tokens is None else min(max_tokens, max_bucket(cfg))
-        self._pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        if pool is not None and pool.device != torch.device(device):
+            raise ValueError(f"graph pool on {pool.device}, the layer on {device}")
+        self._pool = pool  # made on the first capture when None
         self._graphs: dict[tuple, _Captured] = {}
 
     def takes(self, x_TD: torch.Tensor) -> bool:
@@ -87,6 +128,13 @@ class RoutedGraphs:
         """Drop every graph (they hold the weights' addresses: call after the weights change)."""
         self._graphs.clear()
 
+    def move(self, device: torch.device) -> None:
+        """Drop every graph and capture the next ones on `device` (a pool on another device is let go)."""
+        self.clear()
+        self.device = device
+        if self._pool is not None and self._pool.device != device:
+            self._pool = None
+
     def __call__(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """out_TD [T, D] of routed(x_TD, ids_TK, weights_TK), by a replay (`takes` must hold)."""
         T = x_TD.shape[0]
@@ -94,27 +142,30 @@ class RoutedGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        g.x_BD[:T].copy_(x_TD)
-        g.ids_BK[:T].copy_(ids_TK)
-        if g.last_tokens > T:
-            g.ids_BK[T:g.last_tokens].fill_(-1)
-        g.weights_BK[:T].copy_(weights_TK)
-        g.last_tokens = T
+        s = g.static
+        s.x_BD[:T].copy_(x_TD)
+        s.ids_BK[:T].copy_(ids_TK)
+        if s.last_tokens > T:
+            s.ids_BK[T:s.last_tokens].fill_(-1)
+        s.weights_BK[:T].copy_(weights_TK)
+        s.last_tokens = T
         g.graph.replay()
-        return g.out_BD[:T].clone()
+        return s.out_BD[:T].clone()
 
     def _capture(self, B: int, ids_dtype: torch.dtype, weights_dtype: torch.dtype) -> _Captured:
-        D, K, dev = self.cfg.hidden_size, self.cfg.top_k, self.device
-        x_BD = torch.zeros(B, D, dtype=self.cfg.dtype, device=dev)
-        ids_BK = torch.full((B, K), -1, dtype=ids_dtype, device=dev)
-        weights_BK = torch.zeros(B, K, dtype=weights_dtype, device=dev)
+        if self._pool is None:
+            self._pool = GraphPool(self.device)
+        s = self._pool.static(B, self.cfg.hidden_size, self.cfg.top_k, self.cfg.dtype, ids_dtype, weights_dtype)
+        s.ids_BK.fill_(-1)  # the capture's inputs: no tokens routed (rows of other layers' replays cleared)
+        s.last_tokens = 0
+        dev = self.device
         # one eager call first, on a side stream (as torch.cuda.graph's docs ask): compiles and allocates
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._routed(x_BD, ids_BK, weights_BK)
+            self._routed(s.x_BD, s.ids_BK, s.weights_BK)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out_BD = self._routed(x_BD, ids_BK, weights_BK)
-        return _Captured(graph, x_BD, ids_BK, weights_BK, out_BD, last_tokens=0)
+        with torch.cuda.graph(graph, pool=self._pool.handle):
+            s.out_BD.copy_(self._routed(s.x_BD, s.ids_BK, s.weights_BK))
+        return _Captured(graph, s)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F_
 
 from .config import MoEConfig
-from .graphs import RoutedGraphs
+from .graphs import GraphPool, RoutedGraphs
 from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
@@ -59,9 +59,10 @@ class FusedMoE(torch.nn.Module):
             (dispatch, experts, combine) as a CUDA graph per bucket of token counts (epmoe.graphs) for
             calls of up to `graphs.max_tokens` tokens, where queueing the eager kernels would take the
             host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
-            run eagerly (and are captured with it). graph_pool: a graph memory pool handle
-            (torch.cuda.graph_pool_handle()) to share with other layers that never run at the same time
-            (a model's MoE layers); graph_max_tokens: the largest call replayed (default: what fits in
+            run eagerly (and are captured with it). graph_pool: an `epmoe.graphs.GraphPool` on the
+            layer's device to share with other layers that never run at the same time (a model's MoE
+            layers: their graphs then share one pool of intermediates and one set of static inputs and
+            outputs); graph_max_tokens: the largest call replayed (default: what fits in
             epmoe.graphs.GRAPH_MAX_BYTES, at most max_tokens_per_rank).
         strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
             refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher
@@ -84,7 +85,7 @@ class FusedMoE(torch.nn.Module):
     def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None = None, dispatcher: str | Dispatcher = "auto",
                  experts: str = "auto", shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device: torch.device | str | None = None, strict_ids: bool = False, cuda_graphs: bool = True,
-                 graph_pool=None, graph_max_tokens: int | None = None) -> None:
+                 graph_pool: GraphPool | None = None, graph_max_tokens: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.strict_ids = strict_ids
@@ -114,6 +115,8 @@ class FusedMoE(torch.nn.Module):
         self.experts = make_experts(experts, cfg, self.num_local_experts, self.device, self.dispatcher.layout)
         check_pairing(self.dispatcher, self.experts)
         self.shared_experts = shared_experts
+        if graph_pool is not None and not isinstance(graph_pool, GraphPool):
+            raise ValueError(f"graph_pool must be an epmoe.graphs.GraphPool, got {type(graph_pool).__name__}")
         self.graphs: RoutedGraphs | None = None
         if (cuda_graphs and self.device.type == "cuda" and self.world_size == 1 and not self.dispatcher.needs_host_sync
                 and not self.experts.syncs_host):
@@ -160,8 +163,7 @@ class FusedMoE(torch.nn.Module):
         super()._apply(fn, recurse)
         self.device = device
         if self.graphs is not None:
-            self.graphs.clear()
-            self.graphs.device = device
+            self.graphs.move(device)
         return self
 
     def _chunks_of(self, x_TD: torch.Tensor) -> int:

@@ -178,3 +178,35 @@ def test_gpu_graph_replays_equal_the_eager_path():
         captured = moe(static[0], weights_TK=static[2], ids_TK=static[1])
     graph.replay()
     assert torch.equal(captured, eager(x, weights_TK=w, ids_TK=ids))
+
+
+def test_graph_pool_must_be_a_graph_pool():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="graph_pool must be an epmoe.graphs.GraphPool, got tuple"):
+        epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cpu", graph_pool=(0, 1))
+
+
+@pytest.mark.gpu
+def test_gpu_layers_sharing_a_graph_pool_replay_their_own_outputs():
+    """Two layers (other weights, one of them fp8) sharing one GraphPool: calls interleaved in every order
+    and bucket give each layer's eager output bit for bit, though their graphs read the same static inputs;
+    the second layer's graphs add no static tensors of their own where the shapes agree."""
+    from epmoe.graphs import GraphPool
+    pool = GraphPool("cuda")
+    layers = []
+    for seed, quant in ((3, None), (4, None), (5, "fp8_block")):
+        cfg = epmoe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16,
+                              quant=quant)
+        weights = make_weights(cfg, seed, "cuda")
+        pair = []
+        for graphs in (dict(graph_pool=pool), dict(cuda_graphs=False)):
+            moe = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda", **graphs)
+            moe.load_experts(weights.w13_END, weights.w2_EDF)
+            pair.append(moe)
+        layers.append((cfg, *pair))
+    for T in (5, 8, 300, 3, 64, 1, 7):
+        for i, (cfg, graphed, eager) in enumerate(layers):
+            x, ids, w = _inputs(cfg, T, 100 * i + T, "cuda", weights_dtype=torch.bfloat16)
+            got = graphed(x, weights_TK=w, ids_TK=ids)
+            assert torch.equal(got, eager(x, weights_TK=w, ids_TK=ids)), (i, T)
+    assert len(pool._static) == len({(1 << (T - 1).bit_length()) for T in (5, 8, 300, 3, 64, 1, 7)})

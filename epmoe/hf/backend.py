@@ -15,23 +15,25 @@ import torch
 import torch.distributed as dist
 
 from ..config import MoEConfig
+from ..graphs import GraphPool
 from ..interfaces import Dispatcher
 from ..layer import FusedMoE
 from .experts import ExpertsWeights, describe, experts_weights
 
 _BINDING = "_epmoe_experts"  # key in an experts module's __dict__ (not a submodule: not in its state_dict)
 DEFAULT_MAX_TOKENS = 4096
-# The backend's layers replay CUDA graphs (epmoe.graphs) for calls of up to this many tokens (decode-sized:
-# where the host would pace the GPU), all layers on a device from one memory pool (a model's layers run one
-# after another): larger calls run eagerly, the GPU's work outlasting the host's.
-GRAPH_MAX_TOKENS = 512
-_graph_pools: dict[torch.device, object] = {}
+# The backend's layers replay CUDA graphs (epmoe.graphs) for calls of up to DEFAULT_MAX_TOKENS tokens (as
+# many as fit in epmoe.graphs.GRAPH_MAX_BYTES), prefill-sized ones too: a transformers model's step is paced
+# by its host (one H200 machine, Qwen3-30B-A3B's shapes, 4096 tokens: ~1 ms of host time an eager experts
+# call against ~0.2 ms a replay, with the GPU idle for 3.5 of a 12 ms step). All layers on a device share
+# one GraphPool (a model's layers run one after another): one layer's graph memory for the whole model.
+_graph_pools: dict[torch.device, GraphPool] = {}
 
 
-def graph_pool(device: torch.device):
-    """The CUDA graph memory pool the backend's layers on `device` share (made on first use)."""
+def graph_pool(device: torch.device) -> GraphPool:
+    """The graph pool the backend's layers on `device` share (made on first use)."""
     if device not in _graph_pools:
-        _graph_pools[device] = torch.cuda.graph_pool_handle()
+        _graph_pools[device] = GraphPool(device)
     return _graph_pools[device]
 
 
@@ -52,7 +54,7 @@ def moe_layer(local: ExpertsWeights, *, num_experts: int, top_k: int, dtype: tor
     E, D, F = num_experts, local.w2_EDF.shape[1], local.w2_EDF.shape[2]
     cfg = MoEConfig(num_experts=E, top_k=top_k, hidden_size=D, intermediate_size=F, dtype=dtype, quant=local.quant,
                     max_tokens_per_rank=max_tokens_per_rank)
-    graphs = dict(graph_pool=graph_pool(device), graph_max_tokens=GRAPH_MAX_TOKENS) if device.type == "cuda" else {}
+    graphs = dict(graph_pool=graph_pool(device)) if device.type == "cuda" else {}
     moe = FusedMoE(cfg, group, dispatcher=dispatcher, experts=experts, device=device, **graphs)
     moe.experts.load(local.w13_END, local.w2_EDF, w13_scale=local.w13_scale, w2_scale=local.w2_scale)
     return moe
