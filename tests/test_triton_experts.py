@@ -400,6 +400,14 @@ def test_config_table_is_valid_and_choice_is_pure():
             assert gemm_config(op, fp8=fp8, rows_hint=1, on_gpu=True) == buckets[0][1]
             assert gemm_config(op, fp8=fp8, rows_hint=10 ** 12, on_gpu=True) == buckets[-1][1]
     assert gemm_config("down", fp8=False, rows_hint=64, on_gpu=False) == configs.INTERPRETER_CONFIG
+    for fp8 in (False, True):  # row-index launches: the hand-set buckets for twice the rows, the tuned entry above
+        plain, tuned = (configs._table()[configs.table_key("gate_up", fp8, indexed=i)] for i in (False, True))
+        hand_set = max(bound for bound, _ in plain if bound < tuned[0][0])
+        for rows in (1, hand_set // 4, hand_set // 2):
+            want = next(cfg for bound, cfg in plain if 2 * rows <= bound).pointer_variant(1 if fp8 else 2)
+            assert gemm_config("gate_up", fp8=fp8, rows_hint=rows, on_gpu=True, indexed=True) == want, rows
+        want = tuned[0][1].pointer_variant(1 if fp8 else 2)
+        assert gemm_config("gate_up", fp8=fp8, rows_hint=hand_set // 2 + 1, on_gpu=True, indexed=True) == want
     wide = gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True, element_size=4)
     assert wide.block_k == gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True).block_k // 2
     with pytest.raises(ValueError, match="op must be"):
