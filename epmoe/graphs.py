@@ -1,17 +1,19 @@
 """CUDA graphs of a one-GPU layer's routed part (dispatch, experts, combine): one graph per bucket of token
-counts, captured on first use and replayed, so that a call costs the host four small operations instead
+counts, captured on first use and replayed, so that a call costs the host three small operations instead
 of the kernels and allocations the eager path queues (about 0.4-0.5 ms of host time on the H200
 machine, more than the GPU needs for a few hundred tokens).
 
 Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a power of two), D hidden size,
 K top-k.
 
-A replay copies the call's x, ids and weights into the bucket's static inputs (rows past T keep ids -1,
-so they route nowhere), replays (the graph ends by copying its result into the bucket's static output),
-and returns a copy of the static output's first T rows: the caller owns it, the next replay cannot
-change it. The graphs of a layer share one `GraphPool` (replays never run at once): a CUDA graph memory
-pool for their intermediates and one set of static inputs and outputs per bucket. A pool may be shared
-by several layers' graphs (e.g. every MoE layer of a model), whose memory then is that of one layer's.
+A call allocates its output, points the bucket's address table at its x, ids, weights and output
+(`epmoe.kernels.graph_io`: one 72-byte host-to-device copy) and replays. The graph's first kernel
+copies the call's T rows into the bucket's static inputs (rows past T get ids -1: they route nowhere),
+its last one copies the routed output's T rows into the caller's output tensor, which the caller owns:
+the next replay does not touch it. The graphs of a layer share one `GraphPool` (replays never run at
+once): a CUDA graph memory pool for their intermediates, and one set of static inputs and address table
+per bucket. A pool may be shared by several layers' graphs (e.g. every MoE layer of a model), whose
+memory then is that of one layer's.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Callable
 import torch
 
 from .config import MoEConfig
+from .kernels.graph_io import IOTable, rows_contiguous
 
 # The most bytes a bucket's graph may hold in its pool (intermediates of the routed part): larger buckets
 # run eagerly, where the GPU's work outlasts the host's anyway.
@@ -46,19 +49,18 @@ def max_bucket(cfg: MoEConfig, max_bytes: int = GRAPH_MAX_BYTES) -> int:
 
 @dataclass
 class _Static:
-    """A bucket's static inputs and output (outside the graphs' pool), shared by the graphs reading them."""
+    """A bucket's static inputs (outside the graphs' pool) and address table, shared by the graphs reading them."""
 
     x_BD: torch.Tensor
     ids_BK: torch.Tensor
     weights_BK: torch.Tensor
-    out_BD: torch.Tensor
-    last_tokens: int = 0  # T of the latest replay: ids rows [T, last) go back to -1 when a call has fewer
+    io: IOTable
 
 
 class GraphPool:
     """Memory for the CUDA graphs of layers that never replay at the same time (a model's MoE layers, run
     one after another on one stream): one graph memory pool for the graphs' intermediates, and one set of
-    static inputs and outputs per bucket, shape and dtypes. Give the same GraphPool to those layers
+    static inputs and address table per bucket, shape and dtypes. Give the same GraphPool to those layers
     (`FusedMoE(graph_pool=...)`): their graphs then hold about one layer's memory, not one per layer.
 
     Args:
@@ -73,15 +75,14 @@ class GraphPool:
 
     def static(self, B: int, D: int, K: int, dtype: torch.dtype, ids_dtype: torch.dtype,
                weights_dtype: torch.dtype) -> _Static:
-        """The static tensors of a bucket of B tokens: x [B, D] and out [B, D] in dtype, ids [B, K] (-1),
-        weights [B, K]; made on first use."""
+        """The static inputs of a bucket of B tokens: x [B, D] in dtype, ids [B, K], weights [B, K], and
+        their address table; made on first use."""
         key = (B, D, K, dtype, ids_dtype, weights_dtype)
         if key not in self._static:
             dev = self.device
             self._static[key] = _Static(torch.zeros(B, D, dtype=dtype, device=dev),
                                         torch.full((B, K), -1, dtype=ids_dtype, device=dev),
-                                        torch.zeros(B, K, dtype=weights_dtype, device=dev),
-                                        torch.empty(B, D, dtype=dtype, device=dev))
+                                        torch.zeros(B, K, dtype=weights_dtype, device=dev), IOTable(dev))
         return self._static[key]
 
 
@@ -142,30 +143,30 @@ class RoutedGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        s = g.static
-        s.x_BD[:T].copy_(x_TD)
-        s.ids_BK[:T].copy_(ids_TK)
-        if s.last_tokens > T:
-            s.ids_BK[T:s.last_tokens].fill_(-1)
-        s.weights_BK[:T].copy_(weights_TK)
-        s.last_tokens = T
+        out_TD = torch.empty(T, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
+        g.static.io.point(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK), out_TD)
         g.graph.replay()
-        return s.out_BD[:T].clone()
+        return out_TD
 
     def _capture(self, B: int, ids_dtype: torch.dtype, weights_dtype: torch.dtype) -> _Captured:
         if self._pool is None:
             self._pool = GraphPool(self.device)
         s = self._pool.static(B, self.cfg.hidden_size, self.cfg.top_k, self.cfg.dtype, ids_dtype, weights_dtype)
-        s.ids_BK.fill_(-1)  # the capture's inputs: no tokens routed (rows of other layers' replays cleared)
-        s.last_tokens = 0
+        # the capture's table: the static inputs themselves with T = 0 (no rows copied, every id -1)
+        s.io.point(s.x_BD, s.ids_BK, s.weights_BK, s.x_BD[:0])
         dev = self.device
+
+        def run() -> None:
+            s.io.stage(s.x_BD, s.ids_BK, s.weights_BK)
+            s.io.unstage(self._routed(s.x_BD, s.ids_BK, s.weights_BK))
+
         # one eager call first, on a side stream (as torch.cuda.graph's docs ask): compiles and allocates
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._routed(s.x_BD, s.ids_BK, s.weights_BK)
+            run()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool.handle):
-            s.out_BD.copy_(self._routed(s.x_BD, s.ids_BK, s.weights_BK))
+            run()
         return _Captured(graph, s)

@@ -61,8 +61,8 @@ class FusedMoE(torch.nn.Module):
             host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
             run eagerly (and are captured with it). graph_pool: an `epmoe.graphs.GraphPool` on the
             layer's device to share with other layers that never run at the same time (a model's MoE
-            layers: their graphs then share one pool of intermediates and one set of static inputs and
-            outputs); graph_max_tokens: the largest call replayed (default: what fits in
+            layers: their graphs then share one pool of intermediates and one set of static inputs per
+            bucket); graph_max_tokens: the largest call replayed (default: what fits in
             epmoe.graphs.GRAPH_MAX_BYTES, at most max_tokens_per_rank).
         strict_ids: read caller-given ids' range on the host before any work (one host sync a call),
             refusing ids outside [-1, E) with ValueError before anything runs. By default a dispatcher

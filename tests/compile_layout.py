@@ -1,13 +1,14 @@
 """Compile the layout engine's kernels (epmoe/kernels/layout.py) for sm_90 without a GPU (ptxas ships with
 triton) at the local dispatcher's shapes (K 1 to 8, L up to 256, checked ids or not) and gather_sum's
-blocks; fails on compiler errors and register spills. Run by test_layout.py in a process without
+blocks, and the graph input/output kernels (epmoe/kernels/graph_io.py); fails on compiler errors and register
+spills. Run by test_layout.py in a process without
 TRITON_INTERPRET. Exit 3 = this Triton's compiler cannot be driven this way (skip)."""
 import sys
 
 import triton
 
 from compile_hopper import compile_hopper, spill_bytes
-from epmoe.kernels import layout
+from epmoe.kernels import graph_io, layout
 
 
 def main() -> None:
@@ -46,6 +47,16 @@ def main() -> None:
                                                 P="i32", D="i32"),
                 dict(K=K, WEIGHTED=weighted, ROWS=rows, BLOCK_D=block_d), ["y_ptr", "out_ptr"], layout.GATHER_WARPS,
                 1))
+    for D, K, B in [(2048, 8, 4096), (7168, 8, 1), (4096, 2, 512), (100, 1, 3)]:
+        rows, block_d, _ = graph_io._tiles(B, D)
+        for ids, w in (("*i64", "*bf16"), ("*i32", "*fp32")):
+            check(f"stage D{D} K{K} B{B} {ids} {w}", compile_hopper(
+                graph_io._stage_kernel, dict(table_ptr="*i64", x_ptr="*bf16", ids_ptr=ids, w_ptr=w, B="i32", D="i32"),
+                dict(K=K, K_BLOCK=triton.next_power_of_2(K), ROWS=rows, BLOCK_D=block_d), ["table_ptr", "x_ptr"],
+                layout.GATHER_WARPS, 1))
+        check(f"unstage D{D} B{B}", compile_hopper(
+            graph_io._unstage_kernel, dict(table_ptr="*i64", out_ptr="*bf16", D="i32"),
+            dict(ROWS=rows, BLOCK_D=block_d), ["table_ptr", "out_ptr"], layout.GATHER_WARPS, 1))
     if failures:
         print("\n".join(failures))
         sys.exit(1)

@@ -1,0 +1,49 @@
+"""The CUDA graphs' input and output kernels (epmoe/kernels/graph_io.py), exactly: the call's rows copied
+through the address table into the static inputs (ids past T set to -1, weights to 0), the output's
+rows into the caller's tensor and nothing else; strided rows, int32/int64 ids, bf16/fp32 weights, T = 0,
+1 and B, odd D; on CPU tensors under the Triton interpreter, on a GPU where there is one. (Their sm_90 build
+is checked beside the layout engine's: compile_layout.py.)"""
+import pytest
+import torch
+
+from epmoe.kernels.graph_io import IOTable, rows_contiguous
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,T,D,K", [(8, 0, 64, 2), (8, 1, 97, 1), (8, 8, 64, 3), (16, 11, 130, 8), (1, 1, 5, 4)])
+@pytest.mark.parametrize("ids_dtype,w_dtype", [(torch.int64, torch.bfloat16), (torch.int32, torch.float32)])
+def test_stage_and_unstage_move_exactly_the_call_rows(device, B, T, D, K, ids_dtype, w_dtype):
+    g = torch.Generator().manual_seed(B * 1000 + T * 10 + K)
+    wide = torch.randn(T, D + 3, generator=g).to(torch.bfloat16)
+    x = wide[:, 1:D + 1]  # rows with a stride of their own
+    ids = torch.randint(-1, 9, (T, K), generator=g).to(ids_dtype)
+    w = torch.rand(T, K, generator=g).to(w_dtype)
+    x_BD = torch.randn(B, D, generator=g).to(torch.bfloat16)
+    ids_BK = torch.randint(0, 9, (B, K), generator=g).to(ids_dtype)  # what an earlier call left
+    w_BK = torch.rand(B, K, generator=g).to(w_dtype)
+    y_BD = torch.randn(B, D, generator=g).to(torch.bfloat16)
+    out = torch.full((T + 2, D), 7.0, dtype=torch.bfloat16)
+    x, ids, w, x_BD, ids_BK, w_BK, y_BD, out = (t.to(device) for t in (x, ids, w, x_BD, ids_BK, w_BK, y_BD, out))
+    before = x_BD.clone()
+    io = IOTable(torch.device(device))
+    io.point(x, ids, w, out[1:T + 1])
+    io.stage(x_BD, ids_BK, w_BK)
+    io.unstage(y_BD)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(x_BD[:T], x) and torch.equal(x_BD[T:], before[T:])
+    assert torch.equal(ids_BK[:T], ids) and (ids_BK[T:] == -1).all()
+    assert torch.equal(w_BK[:T], w) and (w_BK[T:] == 0).all()
+    assert torch.equal(out[1:T + 1], y_BD[:T])
+    assert (out[0] == 7).all() and (out[T + 1] == 7).all()
+
+
+def test_rows_contiguous_copies_only_strided_columns():
+    t = torch.arange(12.0).reshape(3, 4)
+    assert rows_contiguous(t) is t and rows_contiguous(t[:, 1:]) is not None
+    assert rows_contiguous(t[:, 1:]).data_ptr() == t[:, 1:].data_ptr()  # rows strided, columns unit: no copy
+    cols = t.t()
+    assert torch.equal(rows_contiguous(cols), cols) and rows_contiguous(cols).stride(-1) == 1
+
