@@ -69,7 +69,9 @@ class GraphPool:
 
     def __init__(self, device: torch.device | str) -> None:
         device = torch.device(device)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.handle = torch.cuda.graph_pool_handle()
         self._static: dict[tuple, _Static] = {}
 
@@ -152,15 +154,19 @@ class RoutedGraphs:
         if self._pool is None:
             self._pool = GraphPool(self.device)
         s = self._pool.static(B, self.cfg.hidden_size, self.cfg.top_k, self.cfg.dtype, ids_dtype, weights_dtype)
-        # the capture's table: the static inputs themselves with T = 0 (no rows copied, every id -1)
-        s.io.point(s.x_BD, s.ids_BK, s.weights_BK, s.x_BD[:0])
-        dev = self.device
+        # the capture's table: T = 0 (no rows copied, every id -1)
+        s.io.point(s.x_BD[:0], s.ids_BK[:0], s.weights_BK[:0], s.x_BD[:0])
 
         def run() -> None:
             s.io.stage(s.x_BD, s.ids_BK, s.weights_BK)
             s.io.unstage(self._routed(s.x_BD, s.ids_BK, s.weights_BK))
 
-        # one eager call first, on a side stream (as torch.cuda.graph's docs ask): compiles and allocates
+        return _Captured(self._record(run), s)
+
+    def _record(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of run() (after one eager run on a side stream, as torch.cuda.graph's docs ask:
+        it compiles and allocates), its intermediates in the pool."""
+        dev = self.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -169,4 +175,4 @@ class RoutedGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool.handle):
             run()
-        return _Captured(graph, s)
+        return graph

@@ -180,6 +180,39 @@ def test_gpu_graph_replays_equal_the_eager_path():
     assert torch.equal(captured, eager(x, weights_TK=w, ids_TK=ids))
 
 
+class _Replay:
+    """A CUDA graph's stand-in on the CPU: a replay runs what was captured again."""
+
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+def test_graph_capture_and_replays_through_the_address_table_on_cpu(kernels_on_cpu, monkeypatch):
+    """RoutedGraphs' capture and replays (epmoe.graphs) on CPU tensors, the CUDA graph replaced by running the
+    captured function again and the kernels under the interpreter: two layers sharing one GraphPool, calls
+    that reuse a bucket with fewer and more tokens and other id dtypes, each output the eager path's bit
+    for bit and untouched by the calls after it."""
+    from epmoe.graphs import GraphPool, RoutedGraphs
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(RoutedGraphs, "_record", lambda self, run: (run(), _Replay(run))[1])
+    pool = GraphPool("cpu")
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, dtype=torch.float32)
+    layers = []
+    for seed in (1, 2):
+        moe, _ = _layer(cfg, "triton", "cpu", seed=seed)
+        layers.append((moe, RoutedGraphs(moe._routed, cfg, torch.device("cpu"), pool=pool)))
+    outs = []
+    for T, ids_dtype in ((5, torch.int64), (3, torch.int64), (8, torch.int32), (1, torch.int64), (7, torch.int32)):
+        for i, (moe, graphs) in enumerate(layers):
+            x, ids, w = _inputs(cfg, T, 10 * T + i, "cpu", ids_dtype=ids_dtype)
+            got = graphs(x, ids, w)
+            assert torch.equal(got, moe(x, weights_TK=w, ids_TK=ids)), (T, i)
+            outs.append((got, got.clone()))
+    assert all(torch.equal(a, b) for a, b in outs)
+    assert {(key[0], key[4]) for key in pool._static} == {(1, torch.int64), (4, torch.int64), (8, torch.int32),
+                                                           (8, torch.int64)}
+
+
 def test_graph_pool_must_be_a_graph_pool():
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32, dtype=torch.float32)
     with pytest.raises(ValueError, match="graph_pool must be an epmoe.graphs.GraphPool, got tuple"):
