@@ -5,8 +5,9 @@ For each preset (or the `--model` folder, unquantized) and precision, on every r
   logits, as generation asks for);
 - a decode-sized step: one forward of `--bench-decode` single tokens continuing a one-token cache (a decode
   call: the decode dispatcher under expert parallelism);
-first through transformers' `grouped_mm` experts (the model alone on the device), then through epmoe (one
-rank: `experts_implementation="epmoe"`; R ranks: the model made expert-parallel, each rank its own tokens).
+through transformers' `grouped_mm` experts (the model alone on the device) and through epmoe (one rank:
+`experts_implementation="epmoe"`, the two taken in turn within each repeat; R ranks: grouped_mm first,
+then the model made expert-parallel, each rank its own tokens).
 fp8: the experts quantized per 128x128 block as an FP8 checkpoint loads them; transformers' fp8 grouped_mm
 needs its hub kernel (reported unavailable when it cannot load), so the fp8 rows are also compared with the
 bf16 grouped_mm of the same run. Attention and the dense layers are transformers' own in both.
@@ -17,11 +18,14 @@ MoE time is the sum over the experts modules of events recorded by forward hooks
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
 import statistics
 import time
+
+from typing import Callable
 
 import torch
 
@@ -76,8 +80,12 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> dict:
-    """{"prefill": {"step_ms", "moe_ms"}, "decode": {...}}: medians over spec.repeats after spec.warmup."""
+def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device,
+            modes: dict[str, Callable[[], object]]) -> dict[str, dict]:
+    """{mode: {"prefill": {"step_ms", "moe_ms"}, "decode": {...}}}: medians over spec.repeats after
+    spec.warmup. Each repeat runs every mode's step in turn, set up by its callable (e.g. the model's
+    experts implementation): the steps are paced by the host, whose speed drifts, and taking the modes
+    in turn lets the drift fall on all of them alike."""
     clock = _Clock(device)
     moe = _MoETime(model, clock)
     vocab = model.config.get_text_config().vocab_size
@@ -85,25 +93,29 @@ def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> dict
     prefill_ids = torch.randint(vocab, (1, spec.bench_prefill), generator=g).to(device)
     decode_ids = torch.randint(vocab, (spec.bench_decode, 1), generator=g).to(device)
     cache_name = _cache_kwarg(model)
-    results = {}
+    results: dict[str, dict] = {mode: {} for mode in modes}
     try:
         with torch.no_grad():
+            next(iter(modes.values()))()
             cache = getattr(model(decode_ids, use_cache=True), cache_name)  # one token per sequence
             steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
                      "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
             for name, step in steps.items():
-                step_ms, moe_ms = [], []
+                times = {mode: ([], []) for mode in modes}
                 for i in range(spec.warmup + spec.repeats):
-                    sync(device)
-                    moe.take()
-                    start = clock.mark()
-                    step()
-                    end = clock.mark()
-                    sync(device)
-                    if i >= spec.warmup:
-                        step_ms.append(clock.ms(start, end))
-                        moe_ms.append(moe.take())
-                results[name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
+                    for mode, enter in modes.items():
+                        enter()
+                        sync(device)
+                        moe.take()
+                        start = clock.mark()
+                        step()
+                        end = clock.mark()
+                        sync(device)
+                        if i >= spec.warmup:
+                            times[mode][0].append(clock.ms(start, end))
+                            times[mode][1].append(moe.take())
+                for mode, (step_ms, moe_ms) in times.items():
+                    results[mode][name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
     finally:
         moe.close()
     return results
@@ -148,18 +160,23 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> int:
             record = dict(source=source, quant=quant, dtype=spec.dtype, world_size=world, rank=ctx.rank,
                           prefill_tokens=spec.bench_prefill, decode_batch=spec.bench_decode,
                           moe_layers=len(experts_modules(model)))
-            model.set_experts_implementation("grouped_mm")
+            # one rank: both implementations in one loop, in turn; R ranks: grouped_mm alone first (the
+            # model whole), then the model made expert-parallel (for good)
+            modes = {name: functools.partial(model.set_experts_implementation, name)
+                     for name in ("grouped_mm", "epmoe")[:2 if group is None else 1]}
             try:
-                record["grouped_mm"] = measure(model, spec, device)
+                got = measure(model, spec, device, modes)
             except Exception as e:  # transformers' fp8 grouped_mm loads a hub kernel, unreachable offline
                 record["grouped_mm_unavailable"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
-            if quant == "none":
-                bf16_base = record.get("grouped_mm")
-            if group is None:
-                model.set_experts_implementation("epmoe")
-            else:
+                got = {}
+            if group is None and "epmoe" not in got:
+                got = measure(model, spec, device, {"epmoe": modes["epmoe"]})
+            elif group is not None:
                 expert_parallel(model, group, options=spec.options)
-            record["epmoe"] = measure(model, spec, device)
+                got.update(measure(model, spec, device, {"epmoe": lambda: None}))
+            record["grouped_mm"], record["epmoe"] = got.get("grouped_mm"), got["epmoe"]
+            if quant == "none":
+                bf16_base = record["grouped_mm"]
             record["speedup"] = _ratios(record.get("grouped_mm"), record["epmoe"])
             if quant == "fp8":
                 record["speedup_vs_bf16_grouped_mm"] = _ratios(bf16_base, record["epmoe"])
