@@ -56,6 +56,16 @@ def test_call_inputs_depend_on_the_call_alone():
     assert {0, 1} <= counts and max(counts) > 10 and none
 
 
+def test_warm_up_token_counts_cover_every_graph_bucket():
+    """On a GPU the load's warm-up calls one token count per power-of-two bucket up to the largest call (each
+    CUDA graph of `local` is captured before memory is watched), with the token count asked for."""
+    assert load.warmup_tokens(64) == [1, 2, 4, 8, 16, 32, 64] and load.warmup_tokens(160)[-2:] == [128, 160]
+    assert load.warmup_tokens(1) == [1]
+    cfg = SPEC.config("bf16")
+    x, ids, w = load.call_inputs(cfg, 0, "p", 3, 1, 20, torch.device("cpu"), tokens=13)
+    assert x.shape[0] == 13 and ids.shape == (13, cfg.top_k) == w.shape
+
+
 def test_load_on_one_rank_and_emulated_ranks(one_thread):
     """Every experts implementation on one rank; the emulated paths with the triton experts (the slowest under
     the interpreter: the full soak runs them all)."""

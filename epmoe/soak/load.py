@@ -13,7 +13,9 @@ Every call draws, per rank and from (seed, path, call, rank) alone, a token coun
 all -1), weights and tokens; the output is compared with the oracle (relative L2 error within
 `testing.TOLERANCES`) and hashed. The first `reruns` calls then run again on a freshly built layer: equal
 hashes mean the path is deterministic. Device memory (allocated, reserved) and host RSS are sampled every
-`sample_every` calls; growth is counted from the end of the warm-up (the first tenth of the calls).
+`sample_every` calls; growth is counted from the end of the warm-up (on a GPU, first one call per power-of-two
+token count, which captures every CUDA graph bucket of `local` and compiles each kernel specialization, made
+on first use; then the first tenth of the calls).
 
 Shape letters: T tokens of one rank, D hidden size, K top-k, E experts, R ranks.
 """
@@ -81,13 +83,14 @@ def calls_of(spec: LoadSpec, device: torch.device, interpreted: bool) -> int:
 
 
 def call_inputs(cfg: MoEConfig, seed: int, path: str, call: int, rank: int, max_tokens: int,
-                device: torch.device) -> Inputs:
-    """One rank's inputs of one call, drawn from (seed, path, call, rank) alone."""
+                device: torch.device, tokens: int | None = None) -> Inputs:
+    """One rank's inputs of one call, drawn from (seed, path, call, rank) alone (`tokens`: T, else drawn)."""
     key = hashlib.sha256(f"{seed}/{path}/{call}/{rank}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
     E, K, D = cfg.num_experts, cfg.top_k, cfg.hidden_size
     u = float(torch.rand((), generator=g))
     T = 0 if u < 0.15 else 1 if u < 0.25 else int(torch.randint(2, max_tokens + 1, (), generator=g))
+    T = T if tokens is None else tokens
     routing = ROUTINGS[int(torch.randint(len(ROUTINGS), (), generator=g))]
     scores_TE = torch.rand(T, E, generator=g)
     if routing == "skewed":  # most tokens' first choice is one hot expert
@@ -196,6 +199,12 @@ def check_outputs(tally: Tally, call: int, inputs: list[Inputs], outs: list[torc
             tally.fail(call, f"rel err {err:.3g} > {tally.tolerance:g} (T {x.shape[0]})")
 
 
+def warmup_tokens(max_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to max_tokens, and max_tokens."""
+    counts = [1 << i for i in range(max(1, max_tokens).bit_length()) if 1 << i < max_tokens]
+    return counts + [max_tokens]
+
+
 def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERef, spec: LoadSpec, calls: int,
           ranks: list[int], max_tokens: int, device: torch.device, healthy: Callable[[], bool] = lambda: True,
           any_rank: Callable[[bool], bool] = lambda failed: failed) -> None:
@@ -207,6 +216,10 @@ def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERe
     inputs_of = lambda call: [call_inputs(cfg, spec.seed, tally.path, call, r, max_tokens, device)  # noqa: E731
                               for r in ranks]
     every = max(1, min(spec.sample_every, calls // 10))
+    if device.type == "cuda":  # one call per power-of-two token count: the layer's CUDA graph buckets
+        for i, T in enumerate(warmup_tokens(max_tokens)):  # and kernel specializations, made on first use
+            step([call_inputs(cfg, spec.seed, f"{tally.path}/warm-up", i, r, max_tokens, device, tokens=T)
+                  for r in ranks])
     for call in range(calls):
         inputs = inputs_of(call)
         tally.calls += 1
