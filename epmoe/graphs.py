@@ -109,7 +109,7 @@ class RoutedGraphs:
     """
 
     def __init__(self, routed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], cfg: MoEConfig,
-                 device: torch.device, pool=None, max_tokens: int | None = None) -> None:
+                 device: torch.device, pool: GraphPool | None = None, max_tokens: int | None = None) -> None:
         if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
             raise ValueError(f"graph max_tokens must be an int >= 0, got {max_tokens!r}")
         self._routed = routed
