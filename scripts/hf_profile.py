@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import epmoe.hf  # noqa: F401  (registers the "epmoe" experts backend)
-from epmoe.hf.bench import _cache_kwarg, _Clock
+from epmoe.hf.bench import _cache_kwarg, _Clock, experts_alone_ms
 from epmoe.hf.parallel import experts_modules
 from epmoe.hf.presets import build, preset_config
 from epmoe.timing import sync
@@ -87,23 +87,8 @@ def _syncs(step) -> list[str]:
     return [f"{n}x\n{stack}" for stack, n in seen.items()]
 
 
-def _alone_us(inputs, clock: _Clock, calls: int = 20) -> list[float]:
-    """Device µs per call of each recorded experts call, replayed alone back to back."""
-    out = []
-    for module, args in inputs:
-        for _ in range(3):
-            module(*args)
-        sync(clock.device)
-        start = clock.mark()
-        for _ in range(calls):
-            module(*args)
-        end = clock.mark()
-        sync(clock.device)
-        out.append(clock.ms(start, end) / calls * 1e3)
-    return out
-
-
-def profile_step(name: str, step, calls: _Calls, clock: _Clock, out: Path | None, tag: str, trace: bool) -> dict:
+def profile_step(model: torch.nn.Module, name: str, step, calls: _Calls, clock: _Clock, out: Path | None, tag: str,
+                 trace: bool) -> dict:
     for _ in range(3):
         step()
     sync(clock.device)
@@ -124,8 +109,8 @@ def profile_step(name: str, step, calls: _Calls, clock: _Clock, out: Path | None
     for module, (x, ids, w) in calls.inputs:
         counts = torch.bincount(ids.flatten().clamp_min(0), minlength=module.num_experts)
         routing.append(dict(max_tokens_on_one_expert=int(counts.max()), experts_used=int((counts > 0).sum())))
-    alone = _alone_us(calls.inputs, clock)
     calls.inputs = []
+    alone = [ms * 1e3 for ms in experts_alone_ms(model, step, clock.device)]
     syncs = _syncs(step) if clock.cuda else []
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if clock.cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
@@ -181,7 +166,7 @@ def main() -> None:
                 steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
                          "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
                 for name, step in steps.items():
-                    r = profile_step(name, step, calls, clock, out, f"{preset}-{backend}-{name}",
+                    r = profile_step(model, name, step, calls, clock, out, f"{preset}-{backend}-{name}",
                                      trace=backend in args.trace_backends)
                     results.append(dict(preset=preset, backend=backend, **r))
         del model, calls

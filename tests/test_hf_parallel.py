@@ -82,8 +82,9 @@ def test_generate_command(tmp_path, capfd):
                      "--bench-decode", "3", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "bench")]) == 0
     records = json.loads((tmp_path / "bench" / "generate_bench.json").read_text())
     assert [rec["quant"] for rec in records] == ["none", "fp8"] and records[0]["grouped_mm"] is not None
-    assert all(records[0][impl][step]["step_ms"] > 0 for impl in ("grouped_mm", "epmoe")
-               for step in ("prefill", "decode"))
+    assert all(records[0][impl][step][key] > 0 for impl in ("grouped_mm", "epmoe") for step in ("prefill", "decode")
+               for key in ("step_ms", "moe_ms", "moe_alone_ms"))
+    assert all("moe_alone" in records[0]["speedup"][step] for step in ("prefill", "decode"))
     assert all(rec["epmoe"][step]["moe_ms"] > 0 for rec in records for step in ("prefill", "decode"))
     assert "prefill 24" in capfd.readouterr().out
     with pytest.raises(SystemExit) as refused:  # one line and exit code 2, before any rank starts

@@ -14,7 +14,10 @@ bf16 grouped_mm of the same run. Attention and the dense layers are transformers
 
 Times: CUDA events (wall time on a CPU) around each step, the median of `--repeats` after `--warmup`; the
 MoE time is the sum over the experts modules of events recorded by forward hooks around each experts call
-(the experts' GEMMs and, under expert parallelism, dispatch and combine; the router is outside).
+(the experts' GEMMs and, under expert parallelism, dispatch and combine; the router is outside). In a
+host-paced step those events also hold the host's queueing of the call. On one rank, the MoE time alone
+is measured too: each experts call of one step, on the inputs the model gave it, repeated back to back
+(`experts_alone_ms`), summed over the layers.
 """
 from __future__ import annotations
 
@@ -80,12 +83,43 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def experts_alone_ms(model: torch.nn.Module, step: Callable[[], object], device: torch.device,
+                     repeats: int = 20) -> list[float]:
+    """The ms each experts call of one run of `step` takes alone, in call order: the call repeated back to
+    back `repeats` times on the inputs the model gave it (clones; after 3 untimed), the mean."""
+    clock, calls = _Clock(device), []
+    handles = [module.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append((m, tuple(a.clone() for a in args),
+                                              {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})),
+        with_kwargs=True) for _, module in experts_modules(model)]
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    with torch.no_grad():
+        for module, args, kwargs in calls:
+            for _ in range(3):
+                module(*args, **kwargs)
+            sync(device)
+            start = clock.mark()
+            for _ in range(repeats):
+                module(*args, **kwargs)
+            end = clock.mark()
+            sync(device)
+            out.append(clock.ms(start, end) / repeats)
+    return out
+
+
 def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device,
-            modes: dict[str, Callable[[], object]]) -> dict[str, dict]:
-    """{mode: {"prefill": {"step_ms", "moe_ms"}, "decode": {...}}}: medians over spec.repeats after
-    spec.warmup. Each repeat runs every mode's step in turn, set up by its callable (e.g. the model's
-    experts implementation): the steps are paced by the host, whose speed drifts, and taking the modes
-    in turn lets the drift fall on all of them alike."""
+            modes: dict[str, Callable[[], object]], alone: bool = False) -> dict[str, dict]:
+    """{mode: {"prefill": {"step_ms", "moe_ms"[, "moe_alone_ms"]}, "decode": {...}}}: medians over
+    spec.repeats after spec.warmup. Each repeat runs every mode's step in turn, set up by its callable
+    (e.g. the model's experts implementation): the steps are paced by the host, whose speed drifts, and
+    taking the modes in turn lets the drift fall on all of them alike. `alone`: also the sum of
+    `experts_alone_ms` of one step (one rank only: under expert parallelism a call is a collective)."""
     clock = _Clock(device)
     moe = _MoETime(model, clock)
     vocab = model.config.get_text_config().vocab_size
@@ -116,6 +150,9 @@ def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device,
                             times[mode][1].append(moe.take())
                 for mode, (step_ms, moe_ms) in times.items():
                     results[mode][name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
+                    if alone:
+                        modes[mode]()
+                        results[mode][name]["moe_alone_ms"] = sum(experts_alone_ms(model, step, device))
     finally:
         moe.close()
     return results
@@ -137,10 +174,12 @@ def _bench_model(source: str, spec: RunSpec, quant: str, device: torch.device) -
 
 
 def _ratios(base: dict | None, ours: dict) -> dict | None:
-    """{step: {"step": base / ours, "moe": ...}}: the speed-up of epmoe over the baseline (None: no baseline)."""
+    """{step: {"step": base / ours, "moe": ..., "moe_alone": ... where both have it}}: the speed-up of epmoe
+    over the baseline (None: no baseline)."""
     if base is None:
         return None
-    return {step: {key: base[step][f"{key}_ms"] / ours[step][f"{key}_ms"] for key in ("step", "moe")}
+    return {step: {key: base[step][f"{key}_ms"] / ours[step][f"{key}_ms"]
+                   for key in ("step", "moe", "moe_alone") if f"{key}_ms" in base[step] and f"{key}_ms" in ours[step]}
             for step in ("prefill", "decode")}
 
 
@@ -165,12 +204,12 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> int:
             modes = {name: functools.partial(model.set_experts_implementation, name)
                      for name in ("grouped_mm", "epmoe")[:2 if group is None else 1]}
             try:
-                got = measure(model, spec, device, modes)
+                got = measure(model, spec, device, modes, alone=group is None)
             except Exception as e:  # transformers' fp8 grouped_mm loads a hub kernel, unreachable offline
                 record["grouped_mm_unavailable"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
                 got = {}
             if group is None and "epmoe" not in got:
-                got = measure(model, spec, device, {"epmoe": modes["epmoe"]})
+                got = measure(model, spec, device, {"epmoe": modes["epmoe"]}, alone=True)
             elif group is not None:
                 expert_parallel(model, group, options=spec.options)
                 got.update(measure(model, spec, device, {"epmoe": lambda: None}))
@@ -191,14 +230,16 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> int:
                          _cell(base and base[step]["step_ms"], ".2f"), f"{ours[step]['step_ms']:.2f}",
                          _cell(up and up[step]["step"], ".2f"),
                          _cell(base and base[step]["moe_ms"], ".2f"), f"{ours[step]['moe_ms']:.2f}",
-                         _cell(up and up[step]["moe"], ".2f"),
-                         _cell(up16 and up16[step]["step"], ".2f"), _cell(up16 and up16[step]["moe"], ".2f")])
+                         _cell(up and up[step]["moe"], ".2f"), _cell(up and up[step].get("moe_alone"), ".2f"),
+                         _cell(up16 and up16[step]["step"], ".2f"), _cell(up16 and up16[step]["moe"], ".2f"),
+                         _cell(up16 and up16[step].get("moe_alone"), ".2f")])
     if ctx.rank == 0:
         print(f"epmoe against transformers' grouped_mm experts: {world} rank(s), {spec.dtype}, ms per step (median of "
-              f"{spec.repeats} after {spec.warmup}); x = grouped_mm / epmoe; moe = the experts calls alone (CUDA "
-              "events around each, summed over the layers); x bf16 = fp8 epmoe against bf16 grouped_mm", flush=True)
+              f"{spec.repeats} after {spec.warmup}); x = grouped_mm / epmoe; moe = the experts calls in the step (CUDA "
+              "events around each, summed over the layers); alone = the same calls repeated back to back on their "
+              "inputs (one rank); x bf16 = fp8 epmoe against bf16 grouped_mm", flush=True)
         print(format_table(["model", "quant", "step", "grouped_mm", "epmoe", "x", "moe grouped_mm", "moe epmoe",
-                            "moe x", "x bf16", "moe x bf16"], rows), flush=True)
+                            "moe x", "alone x", "x bf16", "moe x bf16", "alone x bf16"], rows), flush=True)
         for r in records:
             if "grouped_mm_unavailable" in r:
                 print(f"{r['source']} {r['quant']}: transformers' grouped_mm unavailable: {r['grouped_mm_unavailable']}",
