@@ -19,6 +19,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 COUNTS = [3, 0, 1, 6]  # rows per local expert
 PAD = 2  # padding rows past the experts' rows (contiguous) or past each count (batched)
+# The reference experts round where the oracle does (bf16 activations, fp8 blocks of weights and of x and h):
+# what is left is the output's bf16 rounding, measured 1.6e-3 to 1.9e-3 here; 5e-3 allows 2.6x (skipping h's
+# fp8 rounding measured 1.5e-2 to 2.4e-2). Other implementations: epmoe.testing.TOLERANCES.
+REFERENCE_16BIT_TOLERANCE = 5e-3
 
 
 def batch(layout: Layout, D: int, dtype: torch.dtype, g: torch.Generator) -> tuple[ExpertBatch, torch.Tensor]:
@@ -68,4 +72,5 @@ def test_experts_match_the_oracle(name, prec, D, F, layout):
     oracle = MoERef.build(w13, w2, fp8=prec == "fp8_block")
     x_n = valid_rows(b, b.x).cpu()
     want = oracle(x_n, expert_n[:, None], torch.ones(len(expert_n), 1))
-    assert rel_error(valid_rows(b, y).cpu(), want) <= TOLERANCES[precision(cfg)]
+    tol = REFERENCE_16BIT_TOLERANCE if name == "reference" and prec != "fp32" else TOLERANCES[precision(cfg)]
+    assert rel_error(valid_rows(b, y).cpu(), want) <= tol
