@@ -124,7 +124,7 @@ class RoutedGraphs:
     def takes(self, x_TD: torch.Tensor) -> bool:
         """Whether a call of x_TD replays a graph: 1 <= T <= max_tokens, on this GPU, and no capture of
         the caller's own is under way (then the eager path is what gets captured)."""
-        return (0 < x_TD.shape[0] <= self.max_tokens and x_TD.device == self.device
+        return (0 < x_TD.shape[0] <= self.max_tokens and self.device.type == "cuda" and x_TD.device == self.device
                 and not torch.cuda.is_current_stream_capturing())
 
     def clear(self) -> None:
@@ -139,8 +139,15 @@ class RoutedGraphs:
             self._pool = None
 
     def __call__(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """out_TD [T, D] of routed(x_TD, ids_TK, weights_TK), by a replay (`takes` must hold)."""
-        T = x_TD.shape[0]
+        """out_TD [T, D] of routed(x_TD, ids_TK, weights_TK), by a replay (`takes` must hold): x_TD [T, D] in
+        cfg.dtype, ids_TK int [T, K] and weights_TK float [T, K], all on the graphs' device (the graph reads
+        them by address, in the dtypes it was captured for: ValueError otherwise)."""
+        T, K = x_TD.shape[0], self.cfg.top_k
+        if (x_TD.shape != (T, self.cfg.hidden_size) or x_TD.dtype != self.cfg.dtype or ids_TK.shape != (T, K)
+                or weights_TK.shape != (T, K) or ids_TK.device != x_TD.device or weights_TK.device != x_TD.device):
+            raise ValueError(f"graph replay inputs: x {tuple(x_TD.shape)} {x_TD.dtype}, ids {tuple(ids_TK.shape)}, "
+                             f"weights {tuple(weights_TK.shape)} on {x_TD.device}/{ids_TK.device}/"
+                             f"{weights_TK.device}; want [T, D={self.cfg.hidden_size}] {self.cfg.dtype} and [T, K={K}]")
         key = (1 << (T - 1).bit_length(), ids_TK.dtype, weights_TK.dtype)
         g = self._graphs.get(key)
         if g is None:
@@ -159,7 +166,9 @@ class RoutedGraphs:
 
         def run() -> None:
             s.io.stage(s.x_BD, s.ids_BK, s.weights_BK)
-            s.io.unstage(self._routed(s.x_BD, s.ids_BK, s.weights_BK))
+            out_BD = self._routed(s.x_BD, s.ids_BK, s.weights_BK)
+            assert out_BD.shape == s.x_BD.shape and out_BD.dtype == s.x_BD.dtype and out_BD.is_contiguous()
+            s.io.unstage(out_BD)
 
         return _Captured(self._record(run), s)
 

@@ -32,6 +32,8 @@ _graph_pools: dict[torch.device, GraphPool] = {}
 
 def graph_pool(device: torch.device) -> GraphPool:
     """The graph pool the backend's layers on `device` share (made on first use)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     if device not in _graph_pools:
         _graph_pools[device] = GraphPool(device)
     return _graph_pools[device]

@@ -128,12 +128,13 @@ def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device,
     decode_ids = torch.randint(vocab, (spec.bench_decode, 1), generator=g).to(device)
     cache_name = _cache_kwarg(model)
     results: dict[str, dict] = {mode: {} for mode in modes}
+    with torch.no_grad():
+        next(iter(modes.values()))()
+        cache = getattr(model(decode_ids, use_cache=True), cache_name)  # one token per sequence
+    steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
+             "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
     try:
         with torch.no_grad():
-            next(iter(modes.values()))()
-            cache = getattr(model(decode_ids, use_cache=True), cache_name)  # one token per sequence
-            steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
-                     "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
             for name, step in steps.items():
                 times = {mode: ([], []) for mode in modes}
                 for i in range(spec.warmup + spec.repeats):
@@ -150,12 +151,25 @@ def measure(model: torch.nn.Module, spec: RunSpec, device: torch.device,
                             times[mode][1].append(moe.take())
                 for mode, (step_ms, moe_ms) in times.items():
                     results[mode][name] = dict(step_ms=statistics.median(step_ms), moe_ms=statistics.median(moe_ms))
-                    if alone:
-                        modes[mode]()
-                        results[mode][name]["moe_alone_ms"] = sum(experts_alone_ms(model, step, device))
     finally:
         moe.close()
+    for name, step in steps.items() if alone else ():  # (with the step's event hooks gone)
+        for mode, enter in modes.items():
+            enter()
+            results[mode][name]["moe_alone_ms"] = sum(experts_alone_ms(model, step, device))
     return results
+
+
+def grouped_mm_unavailable(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Why transformers' grouped_mm experts cannot run the model here (its fp8 experts load a hub kernel,
+    unreachable offline), or None: one token through the model with them."""
+    model.set_experts_implementation("grouped_mm")
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    return None
 
 
 def _free(device: torch.device) -> None:
@@ -203,14 +217,12 @@ def bench_rank(ctx: RankContext, spec: RunSpec) -> int:
             # model whole), then the model made expert-parallel (for good)
             modes = {name: functools.partial(model.set_experts_implementation, name)
                      for name in ("grouped_mm", "epmoe")[:2 if group is None else 1]}
-            try:
-                got = measure(model, spec, device, modes, alone=group is None)
-            except Exception as e:  # transformers' fp8 grouped_mm loads a hub kernel, unreachable offline
-                record["grouped_mm_unavailable"] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
-                got = {}
-            if group is None and "epmoe" not in got:
-                got = measure(model, spec, device, {"epmoe": modes["epmoe"]}, alone=True)
-            elif group is not None:
+            why = grouped_mm_unavailable(model, device)
+            if why is not None:
+                record["grouped_mm_unavailable"] = why
+                modes.pop("grouped_mm")
+            got = measure(model, spec, device, modes, alone=group is None) if modes else {}
+            if group is not None:
                 expert_parallel(model, group, options=spec.options)
                 got.update(measure(model, spec, device, {"epmoe": lambda: None}))
             record["grouped_mm"], record["epmoe"] = got.get("grouped_mm"), got["epmoe"]

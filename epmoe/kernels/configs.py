@@ -117,8 +117,9 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
         indexed: the activations are read through a row index (the pointer kernel only): the table's
-            `_indexed` entry from half its first bucket's size up where it has one (the hand-set decode
-            buckets for twice the rows below it), else the plain entry's `pointer_variant`.
+            `_indexed` entry where it has one, except where twice rows_hint fits the plain entry's hand-set
+            buckets below the `_indexed` entry's first bound (then the bucket for twice rows_hint); else the
+            plain entry's `pointer_variant`.
     """
     key = table_key(op, fp8)
     if not on_gpu:
@@ -127,9 +128,9 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
     buckets = table[key]
     tuned = table.get(table_key(op, fp8, indexed=True)) if indexed else None
     if tuned is not None:
-        # Below the `_indexed` entry's first bound, the plain table's hand-set decode buckets, taken for
-        # twice the mean: routed rows scatter around it, and an expert with more rows than the tile has
-        # is a second pass over its weights (one H200: DeepSeek-V3 at 32 rows per expert, 8.0 ms with
+        # Where twice the mean fits the plain table's hand-set decode buckets (those below the `_indexed`
+        # entry's first bound), the bucket for twice the mean: routed rows scatter around it, and an expert
+        # with more rows than the tile has is a second pass over its weights; above, the `_indexed` entry (one H200: DeepSeek-V3 at 32 rows per expert, 8.0 ms with
         # 32-row tiles against 7.5 ms with 128; Qwen3-30B-A3B at 64, 479 against 432 µs)
         hand_set = max((bound for bound, _ in buckets if bound < tuned[0][0]), default=0)
         if 2 * rows_hint > hand_set:

@@ -218,8 +218,16 @@ def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERe
     every = max(1, min(spec.sample_every, calls // 10))
     if device.type == "cuda":  # one call per power-of-two token count: the layer's CUDA graph buckets
         for i, T in enumerate(warmup_tokens(max_tokens)):  # and kernel specializations, made on first use
-            step([call_inputs(cfg, spec.seed, f"{tally.path}/warm-up", i, r, max_tokens, device, tokens=T)
-                  for r in ranks])
+            try:
+                step([call_inputs(cfg, spec.seed, f"{tally.path}/warm-up", i, r, max_tokens, device, tokens=T)
+                      for r in ranks])
+            except Exception as e:  # as a call of the loop below: a mismatch of the path, every rank stops
+                tally.fail(-1, f"warm-up, T {T}: {type(e).__name__}: {e}")
+                any_rank(True)
+                return
+            if any_rank(False):
+                tally.fail(-1, "the warm-up failed on another rank")
+                return
     for call in range(calls):
         inputs = inputs_of(call)
         tally.calls += 1
