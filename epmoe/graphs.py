@@ -24,6 +24,7 @@ import torch
 
 from .config import MoEConfig
 from .kernels.graph_io import IOTable, rows_contiguous
+from .symm import indexed_device
 
 # The most bytes a bucket's graph may hold in its pool (intermediates of the routed part): larger buckets
 # run eagerly, where the GPU's work outlasts the host's anyway.
@@ -68,10 +69,7 @@ class GraphPool:
     """
 
     def __init__(self, device: torch.device | str) -> None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = indexed_device(device)
         self.handle = torch.cuda.graph_pool_handle()
         self._static: dict[tuple, _Static] = {}
 

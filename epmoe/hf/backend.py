@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..config import MoEConfig
 from ..graphs import GraphPool
+from ..symm import indexed_device
 from ..interfaces import Dispatcher
 from ..layer import FusedMoE
 from .experts import ExpertsWeights, describe, experts_weights
@@ -32,8 +33,7 @@ _graph_pools: dict[torch.device, GraphPool] = {}
 
 def graph_pool(device: torch.device) -> GraphPool:
     """The graph pool the backend's layers on `device` share (made on first use)."""
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
+    device = indexed_device(device)
     if device not in _graph_pools:
         _graph_pools[device] = GraphPool(device)
     return _graph_pools[device]
