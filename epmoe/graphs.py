@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .config import MoEConfig
+from .interfaces import check_tokens
 from .kernels.graph_io import IOTable, rows_contiguous
 from .symm import indexed_device
 
@@ -140,12 +141,8 @@ class RoutedGraphs:
         """out_TD [T, D] of routed(x_TD, ids_TK, weights_TK), by a replay (`takes` must hold): x_TD [T, D] in
         cfg.dtype, ids_TK int [T, K] and weights_TK float [T, K], all on the graphs' device (the graph reads
         them by address, in the dtypes it was captured for: ValueError otherwise)."""
-        T, K = x_TD.shape[0], self.cfg.top_k
-        if (x_TD.shape != (T, self.cfg.hidden_size) or x_TD.dtype != self.cfg.dtype or ids_TK.shape != (T, K)
-                or weights_TK.shape != (T, K) or ids_TK.device != x_TD.device or weights_TK.device != x_TD.device):
-            raise ValueError(f"graph replay inputs: x {tuple(x_TD.shape)} {x_TD.dtype}, ids {tuple(ids_TK.shape)}, "
-                             f"weights {tuple(weights_TK.shape)} on {x_TD.device}/{ids_TK.device}/"
-                             f"{weights_TK.device}; want [T, D={self.cfg.hidden_size}] {self.cfg.dtype} and [T, K={K}]")
+        check_tokens(self.cfg, x_TD, ids_TK, weights_TK, read_ids=False)  # (FusedMoE has checked them too)
+        T = x_TD.shape[0]
         key = (1 << (T - 1).bit_length(), ids_TK.dtype, weights_TK.dtype)
         g = self._graphs.get(key)
         if g is None:

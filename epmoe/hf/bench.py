@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import time
-
 from typing import Callable
 
 import torch

@@ -130,8 +130,9 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
     if tuned is not None:
         # Where twice the mean fits the plain table's hand-set decode buckets (those below the `_indexed`
         # entry's first bound), the bucket for twice the mean: routed rows scatter around it, and an expert
-        # with more rows than the tile has is a second pass over its weights; above, the `_indexed` entry (one H200: DeepSeek-V3 at 32 rows per expert, 8.0 ms with
-        # 32-row tiles against 7.5 ms with 128; Qwen3-30B-A3B at 64, 479 against 432 µs)
+        # with more rows than the tile has is a second pass over its weights; above, the `_indexed` entry
+        # (one H200: DeepSeek-V3 at 32 rows per expert, 8.0 ms with 32-row tiles against 7.5 ms with 128;
+        # Qwen3-30B-A3B at 64, 479 against 432 µs)
         hand_set = max((bound for bound, _ in buckets if bound < tuned[0][0]), default=0)
         if 2 * rows_hint > hand_set:
             buckets = tuned

@@ -17,8 +17,9 @@ import triton.language as tl
 
 from .layout import GATHER_COLUMNS, GATHER_ELEMENTS, GATHER_WARPS
 
-# The table's int64 slots: each tensor's address and row stride (elements), then T.
-X, X_STRIDE, IDS, IDS_STRIDE, W, W_STRIDE, OUT, OUT_STRIDE, TOKENS = range(9)
+# The table's int64 slots (`IOTable.point` writes them in this order): each tensor's address and row
+# stride (elements), then T.
+X, X_STRIDE, IDS, IDS_STRIDE, W, W_STRIDE, OUT, OUT_STRIDE, TOKENS = (tl.constexpr(i) for i in range(9))
 SLOTS = 9
 
 
@@ -27,12 +28,12 @@ def _stage_kernel(table_ptr, x_ptr, ids_ptr, w_ptr, B, D, K: tl.constexpr, K_BLO
                   ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (i, c): rows [i * ROWS, (i + 1) * ROWS) of the static inputs, x's columns
     [c * BLOCK_D, (c + 1) * BLOCK_D); the programs of column block 0 also take the rows' ids and weights."""
-    T = tl.load(table_ptr + 8)
+    T = tl.load(table_ptr + TOKENS)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = r < T
-    src_x = tl.load(table_ptr + 0).to(tl.pointer_type(x_ptr.dtype.element_ty))
-    x_stride = tl.load(table_ptr + 1)
+    src_x = tl.load(table_ptr + X).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    x_stride = tl.load(table_ptr + X_STRIDE)
     m = live[:, None] & (c < D)[None, :]
     rows = tl.load(src_x + r.to(tl.int64)[:, None] * x_stride + c[None, :], mask=m)
     tl.store(x_ptr + r.to(tl.int64)[:, None] * D + c[None, :], rows, mask=m)
@@ -40,10 +41,11 @@ def _stage_kernel(table_ptr, x_ptr, ids_ptr, w_ptr, B, D, K: tl.constexpr, K_BLO
         k = tl.arange(0, K_BLOCK)
         inside = (r < B)[:, None] & (k < K)[None, :]
         mk = live[:, None] & inside
-        src_ids = tl.load(table_ptr + 2).to(tl.pointer_type(ids_ptr.dtype.element_ty))
-        src_w = tl.load(table_ptr + 4).to(tl.pointer_type(w_ptr.dtype.element_ty))
-        ids = tl.load(src_ids + r.to(tl.int64)[:, None] * tl.load(table_ptr + 3) + k[None, :], mask=mk, other=-1)
-        w = tl.load(src_w + r.to(tl.int64)[:, None] * tl.load(table_ptr + 5) + k[None, :], mask=mk, other=0.0)
+        src_ids = tl.load(table_ptr + IDS).to(tl.pointer_type(ids_ptr.dtype.element_ty))
+        src_w = tl.load(table_ptr + W).to(tl.pointer_type(w_ptr.dtype.element_ty))
+        ids_stride, w_stride = tl.load(table_ptr + IDS_STRIDE), tl.load(table_ptr + W_STRIDE)
+        ids = tl.load(src_ids + r.to(tl.int64)[:, None] * ids_stride + k[None, :], mask=mk, other=-1)
+        w = tl.load(src_w + r.to(tl.int64)[:, None] * w_stride + k[None, :], mask=mk, other=0.0)
         tl.store(ids_ptr + r.to(tl.int64)[:, None] * K + k[None, :], ids, mask=inside)
         tl.store(w_ptr + r.to(tl.int64)[:, None] * K + k[None, :], w, mask=inside)
 
@@ -51,13 +53,13 @@ def _stage_kernel(table_ptr, x_ptr, ids_ptr, w_ptr, B, D, K: tl.constexpr, K_BLO
 @triton.jit
 def _unstage_kernel(table_ptr, out_ptr, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (i, c): rows [i * ROWS, (i + 1) * ROWS) below T of the static output into the caller's."""
-    T = tl.load(table_ptr + 8)
+    T = tl.load(table_ptr + TOKENS)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = (r < T)[:, None] & (c < D)[None, :]
-    dst = tl.load(table_ptr + 6).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    dst = tl.load(table_ptr + OUT).to(tl.pointer_type(out_ptr.dtype.element_ty))
     rows = tl.load(out_ptr + r.to(tl.int64)[:, None] * D + c[None, :], mask=m)
-    tl.store(dst + r.to(tl.int64)[:, None] * tl.load(table_ptr + 7) + c[None, :], rows, mask=m)
+    tl.store(dst + r.to(tl.int64)[:, None] * tl.load(table_ptr + OUT_STRIDE) + c[None, :], rows, mask=m)
 
 
 def _tiles(B: int, D: int) -> tuple[int, int, tuple[int, int]]:

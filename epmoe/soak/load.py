@@ -216,29 +216,31 @@ def drive(tally: Tally, build: Callable[[], Step], cfg: MoEConfig, oracle: MoERe
     inputs_of = lambda call: [call_inputs(cfg, spec.seed, tally.path, call, r, max_tokens, device)  # noqa: E731
                               for r in ranks]
     every = max(1, min(spec.sample_every, calls // 10))
+
+    def attempt(call: int, inputs: list[Inputs], what: str = "call", label: str = "") -> list | None:
+        """step(inputs), or None once its failure is tallied (here or on another rank: every rank stops)."""
+        try:
+            outs = step(inputs)
+        except Exception as e:  # a failing call is a mismatch of the path, not the end of the soak
+            tally.fail(call, f"{label}{type(e).__name__}: {e}")
+            any_rank(True)
+            return None
+        if any_rank(False):
+            tally.fail(call, f"the {what} failed on another rank")
+            return None
+        return outs
+
     if device.type == "cuda":  # one call per power-of-two token count: the layer's CUDA graph buckets
         for i, T in enumerate(warmup_tokens(max_tokens)):  # and kernel specializations, made on first use
-            try:
-                step([call_inputs(cfg, spec.seed, f"{tally.path}/warm-up", i, r, max_tokens, device, tokens=T)
-                      for r in ranks])
-            except Exception as e:  # as a call of the loop below: a mismatch of the path, every rank stops
-                tally.fail(-1, f"warm-up, T {T}: {type(e).__name__}: {e}")
-                any_rank(True)
-                return
-            if any_rank(False):
-                tally.fail(-1, "the warm-up failed on another rank")
+            inputs = [call_inputs(cfg, spec.seed, f"{tally.path}/warm-up", i, r, max_tokens, device, tokens=T)
+                      for r in ranks]
+            if attempt(-1, inputs, "warm-up", f"warm-up, T {T}: ") is None:
                 return
     for call in range(calls):
         inputs = inputs_of(call)
         tally.calls += 1
-        try:
-            outs = step(inputs)
-        except Exception as e:  # a failing call is a mismatch of the path, not the end of the soak
-            tally.fail(call, f"{type(e).__name__}: {e}")
-            any_rank(True)
-            break
-        if any_rank(False):
-            tally.fail(call, "the call failed on another rank")
+        outs = attempt(call, inputs)
+        if outs is None:
             break
         tally.hashes.append(digest(outs))
         check_outputs(tally, call, inputs, outs, oracle, cfg.dtype)
