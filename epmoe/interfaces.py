@@ -147,8 +147,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
     for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
         if t.device != x_TD.device:
             raise ValueError(f"{name} is on {t.device} but x_TD is on {x_TD.device}")
-    capturing = ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()
-    if read_ids and T and ids_TK.numel() and not capturing:
+    if read_ids and T and ids_TK.numel() and not (ids_TK.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = torch.stack(torch.aminmax(ids_TK)).tolist()  # one host sync
         if lo < -1 or hi >= E:
             bad = lo if lo < -1 else hi

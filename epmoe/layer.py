@@ -207,7 +207,7 @@ class FusedMoE(torch.nn.Module):
         for name, t in zip(("logits_TE", "weights_TK", "ids_TK"), rest):
             if t is not None and (t.dim() == 0 or t.shape[:-1] != lead):
                 raise ValueError(f"{name} must have x_TD's leading dims {tuple(lead)}, got {tuple(t.shape)}")
-        return tuple(None if t is None else t.reshape(-1, t.shape[-1]) for t in (x_TD, *rest))
+        return tuple(t if t is None or t.dim() == 2 else t.reshape(-1, t.shape[-1]) for t in (x_TD, *rest))
 
     def _check_inputs(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None, weights_TK: torch.Tensor | None,
                       ids_TK: torch.Tensor | None, correction_bias_E: torch.Tensor | None) -> None:
@@ -267,7 +267,7 @@ class FusedMoE(torch.nn.Module):
         if graphed:
             self.dispatcher.check_device_errors(wait=False)  # what earlier replays caught (the graph's host
             #   code, where the dispatcher would look, does not run again)
-            out_TD = self.graphs(x_TD, ids_TK, weights_TK)
+            out_TD = self.graphs.replay_checked(x_TD, ids_TK, weights_TK)
         else:
             out_TD = self._routed(x_TD, ids_TK, weights_TK, chunks)
         if shared_TD is not None:

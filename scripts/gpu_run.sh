@@ -8,9 +8,10 @@
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
-#   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py)
+#   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
+#   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile and hfprofile). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# profile, hfprofile and host). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -53,6 +54,11 @@ env_report() {
     git log -1 --oneline 2>/dev/null || true
 }
 
+host_profiles() {
+    "${LIMIT[@]}" "$PY" scripts/host_profile.py --tokens 256 --top 25 || return 1
+    "${LIMIT[@]}" "$PY" scripts/host_profile.py --tokens 16384 --calls 40 --top 25
+}
+
 pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
     local status=0
     "${LIMIT[@]}" "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
@@ -69,6 +75,7 @@ stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
 stage moe      "${EPMOE[@]}" bench moe --out "$OUT"
 stage generate "${EPMOE[@]}" generate --preset qwen3-30b-a3b,deepseek-v2-lite --layers 4 --bench --out "$OUT"
 stage hfprofile "${LIMIT[@]}" "$PY" scripts/hf_profile.py --preset qwen3-30b-a3b deepseek-v2-lite --out "$OUT"
+stage host     host_profiles
 stage dispatch "${EPMOE[@]}" bench dispatch --ranks "$NPROC" --out "$OUT"
 stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$OUT"
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"

@@ -49,3 +49,30 @@ def test_rows_contiguous_copies_only_strided_columns():
     cols = t.t()
     assert torch.equal(rows_contiguous(cols), cols) and rows_contiguous(cols).stride(-1) == 1
 
+
+
+@pytest.mark.gpu
+def test_ring_rows_are_written_again_only_after_their_copies_ran():
+    """Three rounds of the host ring and more queued behind a busy GPU, with a switch of streams in
+    between: every call's stage still copies its own x (a row written too early would give an earlier
+    or later call's)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    io = IOTable(dev)
+    B, D, K, N = 4, 8, 2, 3 * IOTable.RING_ROWS + 5
+    xs = [torch.full((1, D), float(i), dtype=torch.bfloat16, device=dev) for i in range(N)]
+    ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
+    w = torch.ones(1, K, dtype=torch.float32, device=dev)
+    out = torch.empty(1, D, dtype=torch.bfloat16, device=dev)
+    statics = [(torch.zeros(B, D, dtype=torch.bfloat16, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev),
+                torch.zeros(B, K, dtype=torch.float32, device=dev)) for _ in range(N)]
+    side = torch.cuda.Stream(dev)
+    torch.cuda._sleep(200_000_000)  # the host runs far ahead of the GPU
+    for i in range(N):
+        stream = side if N // 2 <= i < N // 2 + 7 else torch.cuda.current_stream(dev)
+        with torch.cuda.stream(stream):
+            io.point(xs[i], ids, w, out)
+            io.stage(*statics[i])
+    torch.cuda.synchronize(dev)
+    got = [int(s[0][0, 0].item()) for s in statics]
+    assert got == list(range(N))
+    assert all((s[0][1:] == 0).all() and (s[1][1:] == -1).all() for s in statics)

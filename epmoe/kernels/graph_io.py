@@ -71,26 +71,60 @@ def _tiles(B: int, D: int) -> tuple[int, int, tuple[int, int]]:
 class IOTable:
     """The device table a graph's `stage` and `unstage` read (int64 [SLOTS]), and its host side.
 
+    On a GPU the host writes each call's values into the next row of a ring of RING_ROWS rows of pinned
+    memory and queues that row's copy into the table; a row is written again only once the copies of
+    its last round have run: each half of the ring, when the host starts it, records an event, and the
+    host waits for the other half's (long run by then, unless the host is RING_ROWS / 2 calls ahead of
+    the GPU) before writing into a half again. A call on another stream than the last one's first waits
+    for the device (the events order only their own stream).
+
     Args:
         device: where the graph runs.
     """
 
+    RING_ROWS = 256
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.table = torch.zeros(SLOTS, dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            self._ring = torch.zeros(self.RING_ROWS, SLOTS, dtype=torch.int64, pin_memory=True)
+            self._ring_rows = list(self._ring)
+            self._ring_np = self._ring.numpy()
+            self._halves: list[torch.cuda.Event | None] = [None, None]
+            self._next = 0
+            self._stream: int | None = None
 
     def point(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, out_TD: torch.Tensor) -> None:
         """Point the table at these tensors (rows with unit column stride, on the table's device): on a GPU
-        a copy queued on the current stream from pinned memory (torch's caching host allocator keeps that
-        block until the copy has run), so the next replay queued reads from and writes to them."""
+        a copy queued on the current stream from the ring's next row, so the next replay queued reads
+        from and writes to them."""
         values = (x_TD.data_ptr(), x_TD.stride(0), ids_TK.data_ptr(), ids_TK.stride(0), weights_TK.data_ptr(),
                   weights_TK.stride(0), out_TD.data_ptr(), out_TD.stride(0), x_TD.shape[0])
         if self.device.type != "cuda":
             self.table.numpy()[:] = values
             return
-        host = torch.empty(SLOTS, dtype=torch.int64, pin_memory=True)
-        host.numpy()[:] = values
-        self.table.copy_(host, non_blocking=True)
+        row = self._next_row()
+        self._ring_np[row] = values
+        self.table.copy_(self._ring_rows[row], non_blocking=True)
+
+    def _next_row(self) -> int:
+        """The ring row to write, once the copies that last read it have run (see the class docstring)."""
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        if stream != self._stream:
+            if self._stream is not None:
+                torch.cuda.synchronize(self.device)
+            self._stream, self._halves = stream, [None, None]
+        row = self._next
+        self._next = (row + 1) % self.RING_ROWS
+        half = self.RING_ROWS // 2
+        if row % half == 0:
+            h = row // half
+            if self._halves[1 - h] is not None:
+                self._halves[1 - h].synchronize()  # recorded after every copy of this half's last round
+            self._halves[h] = torch.cuda.Event()
+            self._halves[h].record()
+        return row
 
     def stage(self, x_BD: torch.Tensor, ids_BK: torch.Tensor, weights_BK: torch.Tensor) -> None:
         """Copy the pointed-to call's T rows into the static inputs (contiguous, B rows); ids of rows
