@@ -191,8 +191,10 @@ def case_counts(name, group, device) -> None:
 
 
 def case_bad_input(name, group, device) -> None:
-    """Malformed input raises ValueError naming the problem on every rank before any communication:
-    the dispatcher still works afterwards (a half-started collective would hang or mismatch)."""
+    """Malformed input raises ValueError naming the problem on every rank before any communication (ids
+    outside [-1, E) on a GPU, with a dispatcher that catches them on the device: at its next
+    check_device_errors); the dispatcher still works afterwards (a half-started collective would hang or
+    mismatch)."""
     rank, R = world(group)
     E, K, D = 4 * R, 2, 8
     cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=D, intermediate_size=8, dtype=torch.float32)
@@ -213,8 +215,12 @@ def case_bad_input(name, group, device) -> None:
         ((x, ids.to("meta"), w), "meta"),
     ]
     for args, words in bad:
+        # dispatchers that catch bad ids on a GPU raise at the next host read (check_device_errors syncs)
+        deferred = "expert id" in words and d.checks_ids_on_device and args[1].is_cuda
         try:
             d.dispatch(*args)
+            if deferred:
+                d.check_device_errors()
         except ValueError as e:
             expect(words in str(e), f"{name}: {words!r} not in {e}")
         else:

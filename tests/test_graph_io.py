@@ -59,11 +59,11 @@ def test_ring_rows_are_written_again_only_after_their_copies_ran():
     dev = torch.device("cuda", torch.cuda.current_device())
     io = IOTable(dev)
     B, D, K, N = 4, 8, 2, 3 * IOTable.RING_ROWS + 5
-    xs = [torch.full((1, D), float(i), dtype=torch.bfloat16, device=dev) for i in range(N)]
+    xs = [torch.full((1, D), float(i), device=dev) for i in range(N)]  # (fp32: bf16 holds no 257)
     ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     w = torch.ones(1, K, dtype=torch.float32, device=dev)
-    out = torch.empty(1, D, dtype=torch.bfloat16, device=dev)
-    statics = [(torch.zeros(B, D, dtype=torch.bfloat16, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev),
+    out = torch.empty(1, D, device=dev)
+    statics = [(torch.zeros(B, D, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev),
                 torch.zeros(B, K, dtype=torch.float32, device=dev)) for _ in range(N)]
     side = torch.cuda.Stream(dev)
     torch.cuda._sleep(200_000_000)  # the host runs far ahead of the GPU

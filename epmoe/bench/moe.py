@@ -20,8 +20,8 @@ Per point and implementation:
   GPU us     median over --repeats back-to-back calls (no sync between them, after warm-up) of the
              CUDA-event interval between the ends of consecutive calls; the calls cycle through input
              sets (distinct x and routing) larger together than twice the L2 cache
-  host us    perf_counter over the same calls, until the last one is queued, per call: how long the
-             host takes to queue one (= GPU us where a call syncs the host)
+  host us    median over the same calls of perf_counter around each one (the CUDA event's record
+             outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
              (GEMM kernels: a name holding one of GEMM_KERNEL_PATTERNS, case-insensitive: epmoe's
              Triton `_grouped_gemm_kernel`, CUTLASS grouped GEMMs, cuBLAS `nvjet`/`xmma`/`gemv`
@@ -248,14 +248,15 @@ def time_calls(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], 
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times), statistics.mean(times)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    t0 = time.perf_counter()
+    host = []
     marks[0].record()
     for i in range(repeats):
+        t0 = time.perf_counter()
         run(inputs[i % n])
+        host.append(time.perf_counter() - t0)
         marks[i + 1].record()
-    host_ms = (time.perf_counter() - t0) * 1e3 / repeats
     torch.cuda.synchronize(device)
-    return statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])), host_ms
+    return statistics.median(a.elapsed_time(b) for a, b in zip(marks, marks[1:])), statistics.median(host) * 1e3
 
 
 def gemm_shares(impls: Sequence[Impl], inputs: Sequence[Inputs], device: torch.device) -> dict[str, float]:

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..symm import indexed_device
 from .layout import GATHER_COLUMNS, GATHER_ELEMENTS, GATHER_WARPS
 
 # The table's int64 slots (`IOTable.point` writes them in this order): each tensor's address and row
@@ -85,9 +86,9 @@ class IOTable:
     RING_ROWS = 256
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = indexed_device(device)
         self.table = torch.zeros(SLOTS, dtype=torch.int64, device=device)
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             self._ring = torch.zeros(self.RING_ROWS, SLOTS, dtype=torch.int64, pin_memory=True)
             self._ring_rows = list(self._ring)
             self._ring_np = self._ring.numpy()

@@ -12,10 +12,10 @@ Every call draws, per rank and from (seed, path, call, rank) alone, a token coun
 2.5 chunks where the path chunks), a routing (uniform, skewed to one hot expert, -1 holes, all to one expert,
 all -1), weights and tokens; the output is compared with the oracle (relative L2 error within
 `testing.TOLERANCES`) and hashed. The first `reruns` calls then run again on a freshly built layer: equal
-hashes mean the path is deterministic. Device memory (allocated, reserved) and host RSS are sampled every
-`sample_every` calls; growth is counted from the end of the warm-up (on a GPU, first one call per power-of-two
-token count, which captures every CUDA graph bucket of `local` and compiles each kernel specialization, made
-on first use; then the first tenth of the calls).
+hashes mean the path is deterministic. Device memory (allocated, and reserved with the allocator's free
+blocks let go first) and host RSS are sampled every `sample_every` calls; growth is counted from the end of
+the warm-up (on a GPU, first one call per power-of-two token count, which captures every CUDA graph bucket
+of `local` and compiles each kernel specialization, made on first use; then the first tenth of the calls).
 
 Shape letters: T tokens of one rank, D hidden size, K top-k, E experts, R ranks.
 """
@@ -134,8 +134,12 @@ class MemoryTrace:
     samples: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def sample(self, call: int) -> None:
+        """One sample after `call`. On a GPU the allocator's cache of free blocks is emptied first, so that
+        reserved counts the segments something holds (live tensors, CUDA graph pools), not the free ones
+        a call of a new size left cached."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
         else:
             allocated = reserved = 0
