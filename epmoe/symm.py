@@ -123,6 +123,15 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     return ws
 
 
+def all_gather_ints(group: dist.ProcessGroup, value: int, device: torch.device) -> list[int]:
+    """Every rank's int64 `value`, by rank: one all_gather over `group` of a tensor on `device` (a CUDA
+    device for NCCL, the CPU for gloo) and a host read."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return torch.cat(every).tolist()
+
+
 class WorkspaceBackend(ABC):
     """Where a symmetric-memory dispatcher's workspace comes from, and how its ranks run.
 
@@ -140,6 +149,12 @@ class WorkspaceBackend(ABC):
         """This rank's workspace of `specs` on `device`, zero-filled; collective over the ranks. Dispatchers
         of equal `key` may share one (emulated ranks do: they then act as one dispatcher)."""
 
+    def gathered(self, value: int, device: torch.device) -> list[int] | None:
+        """Every rank's `value` (an int64), by rank: collective, before the workspace's allocation (so that
+        a rank built from another config is refused on every rank before buffers of other sizes meet);
+        None where the ranks exchange nothing (emulated ranks, built one after another in one process)."""
+        return None
+
 
 class TorchSymmetricMemory(WorkspaceBackend):
     """The ranks of a NCCL process group, one GPU each, with torch's symmetric memory."""
@@ -153,6 +168,9 @@ class TorchSymmetricMemory(WorkspaceBackend):
 
     def workspace(self, key: Any, specs: list[BufferSpec], device: torch.device) -> Workspace:
         return torch_workspace(specs, self.group, device)
+
+    def gathered(self, value: int, device: torch.device) -> list[int]:
+        return all_gather_ints(self.group, value, device)
 
 
 @dataclass

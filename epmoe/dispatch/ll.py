@@ -102,7 +102,9 @@ class LLDispatcher(Dispatcher):
             results. Generous by default because a peer's first call may still be compiling its
             kernels; tests set a few seconds so a protocol error fails fast instead of hanging.
 
-    Construction is collective over `group` (symmetric allocation). Output batch: x [L, M, D] in
+    Construction is collective over `group`: the ranks' config fingerprints are all-gathered first (a
+    rank built from another MoEConfig is refused with ValueError on every rank), then the symmetric
+    allocation. Output batch: x [L, M, D] in
     float8_e4m3fn with x_scale [L, M, G] when cfg.quant == "fp8_block", else cfg.dtype; counts_L [L].
     """
 
@@ -155,6 +157,7 @@ class LLDispatcher(Dispatcher):
             BufferSpec("wloc", (Tmax, K), torch.float32),
         ]
         # emulated ranks of one config and combine mode share their workspaces (as one dispatcher)
+        self._check_same_config(backend, self.device)
         self._ws = backend.workspace(("ll", cfg, combine), specs, self.device)
         self._buffers = self._ws.views(kernels.LLBuffers, peers=self._ws.tables(kernels.LLPeers))
         self._wait = DeviceWait(err_1=self._buffers.error, timeout_ns=wait_ns)

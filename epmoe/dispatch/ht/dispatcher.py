@@ -74,6 +74,10 @@ class HtDispatcher(Dispatcher):
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
             (sync_free mode: check `timed_out()`). A hang guard only: no healthy call waits that long.
 
+    Construction is collective over a process group: the ranks' config fingerprints are all-gathered
+    first (a rank built from another MoEConfig is refused with ValueError on every rank), then the
+    symmetric allocation.
+
     Host-synced mode (sync_free False) cannot be captured in a CUDA graph: the host reads each batch's
     size, and tracks the epoch. It also agrees chunk counts (`agrees_chunks`, see
     Dispatcher.dispatch_checked): each rank's count, below MAX_CHUNKS (2**24), travels with its
@@ -162,6 +166,7 @@ class HtDispatcher(Dispatcher):
         # included, so they act as one dispatcher; the first emulated rank to get here allocates every
         # rank's buffers.
         key = ("ht", cfg, str(self.device), self.launch, self.copy_engine)
+        self._check_same_config(backend, self.device)
         self.ws = backend.workspace(key, ht_specs(cfg, self.world_size, self.launch), self.device)
         buffers = ht_buffers(self.ws)
         self._wait = DeviceWait(err_1=buffers.control[2:], timeout_ns=wait_ns)
