@@ -316,13 +316,6 @@ class Dispatcher(ABC):
             raise ValueError(f"dispatcher {self.name!r}: rank(s) {others} were built from another MoEConfig than "
                              f"rank {self.rank}'s ({self.cfg}); every rank must build the layer from the same config")
 
-    def _check_same_config(self, backend: WorkspaceBackend, device: torch.device) -> None:
-        """check_same_config on the fingerprints a symmetric-memory backend gathers before allocating
-        (every rank of a process group; emulated ranks exchange none)."""
-        fingerprints_R = backend.gathered(self.cfg_fingerprint, device)
-        if fingerprints_R is not None:
-            self.check_same_config(fingerprints_R)
-
     def check_output(self, y: torch.Tensor, batch: ExpertBatch) -> None:
         """Refuse expert outputs that do not match `batch`'s shape or cfg.dtype (ValueError)."""
         if y.shape != batch.out_shape:

@@ -15,6 +15,7 @@ Shape letters: R ranks.
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
@@ -123,13 +124,13 @@ def torch_workspace(specs: list[BufferSpec], group: dist.ProcessGroup, device: t
     return ws
 
 
-def all_gather_ints(group: dist.ProcessGroup, value: int, device: torch.device) -> list[int]:
-    """Every rank's int64 `value`, by rank: one all_gather over `group` of a tensor on `device` (a CUDA
-    device for NCCL, the CPU for gloo) and a host read."""
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
+def all_gather_ints(group: dist.ProcessGroup, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's int64 `values` (the same count on every rank), by rank: one all_gather over `group` of
+    a tensor on `device` (a CUDA device for NCCL, the CPU for gloo) and a host read."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    return torch.cat(every).tolist()
+    return torch.stack(every).tolist()
 
 
 class WorkspaceBackend(ABC):
@@ -149,12 +150,6 @@ class WorkspaceBackend(ABC):
         """This rank's workspace of `specs` on `device`, zero-filled; collective over the ranks. Dispatchers
         of equal `key` may share one (emulated ranks do: they then act as one dispatcher)."""
 
-    def gathered(self, value: int, device: torch.device) -> list[int] | None:
-        """Every rank's `value` (an int64), by rank: collective, before the workspace's allocation (so that
-        a rank built from another config is refused on every rank before buffers of other sizes meet);
-        None where the ranks exchange nothing (emulated ranks, built one after another in one process)."""
-        return None
-
 
 class TorchSymmetricMemory(WorkspaceBackend):
     """The ranks of a NCCL process group, one GPU each, with torch's symmetric memory."""
@@ -168,9 +163,6 @@ class TorchSymmetricMemory(WorkspaceBackend):
 
     def workspace(self, key: Any, specs: list[BufferSpec], device: torch.device) -> Workspace:
         return torch_workspace(specs, self.group, device)
-
-    def gathered(self, value: int, device: torch.device) -> list[int]:
-        return all_gather_ints(self.group, value, device)
 
 
 @dataclass
@@ -235,6 +227,19 @@ def symmetric_world(cfg, group) -> tuple[int, str]:
     `group` must be a WorkspaceBackend (an EmulatedGroup), or a NCCL group of at most 8 ranks, all GPUs
     of this host, with torch symmetric memory; E must be divisible by R.
     """
+    world, reason = symmetric_group_world(group)
+    if not world:
+        return 0, reason
+    if world > MAX_NVLINK_WORLD:
+        return 0, f"world size {world} > {MAX_NVLINK_WORLD} (one NVLink domain)"
+    if cfg.num_experts % world:
+        return 0, f"num_experts={cfg.num_experts} not divisible by world size {world}"
+    return world, "ok"
+
+
+def symmetric_group_world(group) -> tuple[int, str]:
+    """`symmetric_world`'s checks of the group alone, the same answer on every rank of it: (R, "ok") or
+    (0, reason)."""
     if isinstance(group, WorkspaceBackend):
         world = group.world_size
     elif isinstance(group, dist.ProcessGroup):
@@ -251,11 +256,40 @@ def symmetric_world(cfg, group) -> tuple[int, str]:
             return 0, f"needs all {world} ranks on one host ({torch.cuda.device_count()} GPUs here)"
     else:
         return 0, "needs a NCCL process group or an EmulatedGroup"
-    if world > MAX_NVLINK_WORLD:
-        return 0, f"world size {world} > {MAX_NVLINK_WORLD} (one NVLink domain)"
-    if cfg.num_experts % world:
-        return 0, f"num_experts={cfg.num_experts} not divisible by world size {world}"
     return world, "ok"
+
+
+def agree_construction(name: str, cfg, group, options: tuple) -> None:
+    """Before a symmetric-memory dispatcher checks or allocates anything (each rank's checks depend on
+    its own config and options, and a rank that raised alone would leave the others waiting in the
+    allocation's collective): over a process group that symmetric memory can use, all-gather every rank's
+    config fingerprint and a hash of its options, and raise ValueError on every rank alike where they
+    differ. Nothing for emulated ranks (built one after another in one process, they exchange nothing)
+    nor for groups symmetric memory cannot use (their checks then fail alike on every rank)."""
+    if not isinstance(group, dist.ProcessGroup) or not symmetric_group_world(group)[0]:
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    every = all_gather_ints(group, [cfg.fingerprint(), options_hash(options)], device)
+    refuse_other_builds(name, dist.get_rank(group), every)
+
+
+def options_hash(options: tuple) -> int:
+    """A 62-bit hash of a dispatcher's construction options (their reprs), the same in every process."""
+    return int.from_bytes(hashlib.sha256(repr(options).encode()).digest()[:8], "little") >> 2
+
+
+def refuse_other_builds(name: str, rank: int, every_R2: list[list[int]]) -> None:
+    """ValueError unless every rank's (config fingerprint, options hash) equals rank `rank`'s, naming the
+    ranks that differ and in what (the same message on every rank but the rank named)."""
+    mine = every_R2[rank]
+    configs = [r for r, (fingerprint, _) in enumerate(every_R2) if fingerprint != mine[0]]
+    if configs:
+        raise ValueError(f"dispatcher {name!r}: rank(s) {configs} were built from another MoEConfig than rank "
+                         f"{rank}'s; every rank must build the layer from the same config")
+    options = [r for r, (_, opts) in enumerate(every_R2) if opts != mine[1]]
+    if options:
+        raise ValueError(f"dispatcher {name!r}: rank(s) {options} were built with other options than rank "
+                         f"{rank}'s; every rank must build it with the same options")
 
 
 def group_rank_world(group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[int, int]:

@@ -70,6 +70,7 @@ def test_ring_rows_are_written_again_only_after_their_copies_ran():
     for i in range(N):
         stream = side if N // 2 <= i < N // 2 + 7 else torch.cuda.current_stream(dev)
         with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000)  # and the GPU stays behind after each wait of the host
             io.point(xs[i], ids, w, out)
             io.stage(*statics[i])
     torch.cuda.synchronize(dev)

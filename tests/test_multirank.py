@@ -44,31 +44,32 @@ def test_dispatchers_gloo_groups(sizes):
     _report(spawn(_cases_in_subgroups, sizes[0], "cpu", (sizes, ("allgather", "alltoall")), timeout_s=SPAWN_TIMEOUT_S))
 
 
-def _symmetric_config_refusal(ctx) -> list[str]:
-    """What ht and ll do before allocating over a process group (TorchSymmetricMemory.gathered, here over
-    gloo): rank 1 built from another config, then every rank from the same."""
+def _symmetric_build_refusal(ctx) -> list[str]:
+    """What ht and ll agree on before any check or allocation over a process group (symm.agree_construction,
+    here its gather over gloo): rank 1 built from another config, then with other options, then alike."""
     import dataclasses
 
     import epmoe
-    from epmoe.symm import TorchSymmetricMemory
+    from epmoe.symm import all_gather_ints, options_hash, refuse_other_builds
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
-    backend, cpu, failures = TorchSymmetricMemory(ctx.group), torch.device("cpu"), []
-    mine = dataclasses.replace(cfg, hidden_size=12) if ctx.rank == 1 else cfg
-    d = epmoe.make_dispatcher("allgather", mine, ctx.group)
-    try:
-        d._check_same_config(backend, cpu)
-        failures.append(f"rank {ctx.rank}: another rank's config was not refused")
-    except ValueError as e:
-        if f"rank(s) [{1 - ctx.rank}]" not in str(e) or "another MoEConfig" not in str(e):
-            failures.append(f"rank {ctx.rank}: {e}")
-    if backend.gathered(ctx.rank * 10 + 3, cpu) != [3, 13]:
-        failures.append(f"rank {ctx.rank}: gathered the wrong values")
-    epmoe.make_dispatcher("allgather", cfg, ctx.group)._check_same_config(backend, cpu)  # the same: no error
+    other = dataclasses.replace(cfg, hidden_size=12)
+    failures = []
+    for mine, opts, words in ((other, ("reduce",), "another MoEConfig"), (cfg, ("source",), "other options"),
+                              (cfg, ("reduce",), None)):
+        built = (mine, opts) if ctx.rank == 1 else (cfg, ("reduce",))
+        every = all_gather_ints(ctx.group, [built[0].fingerprint(), options_hash(built[1])], torch.device("cpu"))
+        try:
+            refuse_other_builds("ll", ctx.rank, every)
+            if words:
+                failures.append(f"rank {ctx.rank}: a rank built otherwise ({words}) was not refused")
+        except ValueError as e:
+            if not words or words not in str(e) or f"rank(s) [{1 - ctx.rank}]" not in str(e):
+                failures.append(f"rank {ctx.rank}: {e}")
     return failures
 
 
-def test_symmetric_dispatchers_refuse_other_configs_before_allocating():
-    _report(spawn(_symmetric_config_refusal, 2, "cpu", (), timeout_s=SPAWN_TIMEOUT_S))
+def test_symmetric_dispatchers_refuse_ranks_built_otherwise():
+    _report(spawn(_symmetric_build_refusal, 2, "cpu", (), timeout_s=SPAWN_TIMEOUT_S))
 
 
 @pytest.mark.gpu2

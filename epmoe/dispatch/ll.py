@@ -71,7 +71,7 @@ from ..interfaces import DispatchHandle, Dispatcher, ExpertBatch, Layout, check_
 from ..kernels import ll as kernels
 from ..kernels.sync import DeviceWait, timeout_ns
 from ..quant import FP8_DTYPE, num_groups
-from ..symm import BufferSpec, indexed_device, symmetric_world, workspace_backend
+from ..symm import BufferSpec, agree_construction, indexed_device, symmetric_world, workspace_backend
 
 COMBINE_MODES = ("source", "reduce")
 
@@ -102,9 +102,9 @@ class LLDispatcher(Dispatcher):
             results. Generous by default because a peer's first call may still be compiling its
             kernels; tests set a few seconds so a protocol error fails fast instead of hanging.
 
-    Construction is collective over `group`: the ranks' config fingerprints are all-gathered first (a
-    rank built from another MoEConfig is refused with ValueError on every rank), then the symmetric
-    allocation. Output batch: x [L, M, D] in
+    Construction is collective over `group`: first of all the ranks' config fingerprints and combine
+    modes are all-gathered, and a rank built otherwise is refused with ValueError on every rank
+    (`symm.agree_construction`); then the checks and the symmetric allocation. Output batch: x [L, M, D] in
     float8_e4m3fn with x_scale [L, M, G] when cfg.quant == "fp8_block", else cfg.dtype; counts_L [L].
     """
 
@@ -125,6 +125,7 @@ class LLDispatcher(Dispatcher):
 
     def __init__(self, cfg: MoEConfig, group, combine: str = "reduce",
                  device: torch.device | str | None = None, wait_timeout_s: float = 60.0) -> None:
+        agree_construction("ll", cfg, group, (combine,))  # (what sizes the buffers)
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'll': {reason}")
@@ -157,7 +158,6 @@ class LLDispatcher(Dispatcher):
             BufferSpec("wloc", (Tmax, K), torch.float32),
         ]
         # emulated ranks of one config and combine mode share their workspaces (as one dispatcher)
-        self._check_same_config(backend, self.device)
         self._ws = backend.workspace(("ll", cfg, combine), specs, self.device)
         self._buffers = self._ws.views(kernels.LLBuffers, peers=self._ws.tables(kernels.LLPeers))
         self._wait = DeviceWait(err_1=self._buffers.error, timeout_ns=wait_ns)

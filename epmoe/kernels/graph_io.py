@@ -124,7 +124,7 @@ class IOTable:
             if self._halves[1 - h] is not None:
                 self._halves[1 - h].synchronize()  # recorded after every copy of this half's last round
             self._halves[h] = torch.cuda.Event()
-            self._halves[h].record()
+            self._halves[h].record(torch.cuda.current_stream(self.device))  # (the copies' stream)
         return row
 
     def stage(self, x_BD: torch.Tensor, ids_BK: torch.Tensor, weights_BK: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from ...kernels.ht.layout import MAX_CHUNKS
 from ...kernels.layout import layout_blocks
 from ...kernels.sync import DeviceWait, timeout_ns
 from ...quant import num_groups
-from ...symm import WorkspaceBackend, indexed_device, symmetric_world, workspace_backend
+from ...symm import WorkspaceBackend, agree_construction, indexed_device, symmetric_world, workspace_backend
 from .combine import Combine, FusedCombine, SplitCombine
 from .copy_engine import CopyEngine, CopyEngineRows, EmulatedCopyEngine
 from .handles import HtCombinePending, HtDispatchPending, HtHandle
@@ -74,9 +74,10 @@ class HtDispatcher(Dispatcher):
             until the dispatcher is rebuilt, and the next host-synced dispatch raises RuntimeError
             (sync_free mode: check `timed_out()`). A hang guard only: no healthy call waits that long.
 
-    Construction is collective over a process group: the ranks' config fingerprints are all-gathered
-    first (a rank built from another MoEConfig is refused with ValueError on every rank), then the
-    symmetric allocation.
+    Construction is collective over a process group: first of all the ranks' config fingerprints and
+    options (sync_free, launch, dense, copy_engine: what sizes the buffers) are all-gathered, and a rank
+    built otherwise is refused with ValueError on every rank (`symm.agree_construction`); then the
+    checks and the symmetric allocation.
 
     Host-synced mode (sync_free False) cannot be captured in a CUDA graph: the host reads each batch's
     size, and tracks the epoch. It also agrees chunk counts (`agrees_chunks`, see
@@ -145,6 +146,7 @@ class HtDispatcher(Dispatcher):
     def __init__(self, cfg: MoEConfig, group=None, *, sync_free: bool | None = None,
                  device: torch.device | str | None = None, launch: HtLaunch | None = None,
                  dense: bool | None = None, copy_engine: bool | None = None, wait_timeout_s: float = 60.0) -> None:
+        agree_construction("ht", cfg, group, (self.sync_free, launch, dense, copy_engine))  # (what sizes the buffers)
         available, reason = self.availability(cfg, group)
         if not available:
             raise ValueError(f"dispatcher 'ht': {reason}")
@@ -166,7 +168,6 @@ class HtDispatcher(Dispatcher):
         # included, so they act as one dispatcher; the first emulated rank to get here allocates every
         # rank's buffers.
         key = ("ht", cfg, str(self.device), self.launch, self.copy_engine)
-        self._check_same_config(backend, self.device)
         self.ws = backend.workspace(key, ht_specs(cfg, self.world_size, self.launch), self.device)
         buffers = ht_buffers(self.ws)
         self._wait = DeviceWait(err_1=buffers.control[2:], timeout_ns=wait_ns)
