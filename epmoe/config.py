@@ -16,6 +16,11 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_BLOCK = 128  # fp8_block: weights scaled per 128x128 block, activations per token per 128 columns
 
 
+def repr_hash(obj: object) -> int:
+    """A 62-bit hash of repr(obj), the same in every process (Python's hash() of a str is salted per process)."""
+    return int.from_bytes(hashlib.sha256(repr(obj).encode()).digest()[:8], "little") >> 2
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Shapes, precision and routing settings of one MoE layer; the same on every rank.
@@ -89,7 +94,7 @@ class MoEConfig:
     def fingerprint(self) -> int:
         """A 62-bit hash of every field, the same in every process: ranks exchange it to find out that one of
         them was built from another config (before rows of other sizes cross)."""
-        return int.from_bytes(hashlib.sha256(repr(self).encode()).digest()[:8], "little") >> 2
+        return repr_hash(self)
 
     @property
     def row_bytes(self) -> int:

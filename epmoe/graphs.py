@@ -28,8 +28,8 @@ from .kernels.graph_io import IOTable, rows_contiguous
 from .symm import indexed_device
 
 # The most bytes a bucket's graph may hold in its pool (intermediates of the routed part): 16384 tokens of
-# Qwen3-30B-A3B's or DeepSeek-V2-Lite's shapes (1.4 GB), whose eager calls cost the host 0.8-1.6 ms, 30-60%
-# of the GPU's work, on the H200 machine. Larger buckets run eagerly, where the GPU's work outlasts the
+# Qwen3-30B-A3B's or DeepSeek-V2-Lite's shapes (1.4 GB), whose eager calls cost the host 0.7-1.6 ms, 45-62%
+# of the GPU's work, on the H200 machine (bench moe). Larger buckets run eagerly, where the GPU's work outlasts the
 # host's by more (DeepSeek-V3, Mixtral-8x7B at 16384 tokens: host 5-10%).
 GRAPH_MAX_BYTES = 2 << 30
 

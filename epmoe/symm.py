@@ -15,7 +15,6 @@ Shape letters: R ranks.
 """
 from __future__ import annotations
 
-import hashlib
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
@@ -23,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+
+from .config import repr_hash
 
 _ALIGN = 256
 
@@ -269,13 +270,8 @@ def agree_construction(name: str, cfg, group, options: tuple) -> None:
     if not isinstance(group, dist.ProcessGroup) or not symmetric_group_world(group)[0]:
         return
     device = torch.device("cuda", torch.cuda.current_device())
-    every = all_gather_ints(group, [cfg.fingerprint(), options_hash(options)], device)
+    every = all_gather_ints(group, [cfg.fingerprint(), repr_hash(options)], device)
     refuse_other_builds(name, dist.get_rank(group), every)
-
-
-def options_hash(options: tuple) -> int:
-    """A 62-bit hash of a dispatcher's construction options (their reprs), the same in every process."""
-    return int.from_bytes(hashlib.sha256(repr(options).encode()).digest()[:8], "little") >> 2
 
 
 def refuse_other_builds(name: str, rank: int, every_R2: list[list[int]]) -> None:

@@ -50,7 +50,6 @@ def test_rows_contiguous_copies_only_strided_columns():
     assert torch.equal(rows_contiguous(cols), cols) and rows_contiguous(cols).stride(-1) == 1
 
 
-
 @pytest.mark.gpu
 def test_ring_rows_are_written_again_only_after_their_copies_ran():
     """Three rounds of the host ring and more queued behind a busy GPU, with a switch of streams in

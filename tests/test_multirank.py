@@ -50,14 +50,15 @@ def _symmetric_build_refusal(ctx) -> list[str]:
     import dataclasses
 
     import epmoe
-    from epmoe.symm import all_gather_ints, options_hash, refuse_other_builds
+    from epmoe.config import repr_hash
+    from epmoe.symm import all_gather_ints, refuse_other_builds
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
     other = dataclasses.replace(cfg, hidden_size=12)
     failures = []
     for mine, opts, words in ((other, ("reduce",), "another MoEConfig"), (cfg, ("source",), "other options"),
                               (cfg, ("reduce",), None)):
         built = (mine, opts) if ctx.rank == 1 else (cfg, ("reduce",))
-        every = all_gather_ints(ctx.group, [built[0].fingerprint(), options_hash(built[1])], torch.device("cpu"))
+        every = all_gather_ints(ctx.group, [built[0].fingerprint(), repr_hash(built[1])], torch.device("cpu"))
         try:
             refuse_other_builds("ll", ctx.rank, every)
             if words:
