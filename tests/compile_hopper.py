@@ -11,6 +11,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import torch
 import triton
 
 try:
@@ -106,10 +107,10 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool):
     return kernel, cfg
 
 
-def _ws_kernel(op: str, fp8: bool, cfg):
+def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
     """The warp-specialized kernel for one launch config as the launcher runs it (fp8 gate-up: h quantized
-    in the epilogue for 128-column tiles, else float32 h), with the most expert lanes its tile map takes
-    (the most registers)."""
+    in the epilogue for 128-column tiles, else float32 h; gather: A's rows through a row index), with the
+    most expert lanes its tile map takes (the most registers)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -121,32 +122,42 @@ def _ws_kernel(op: str, fp8: bool, cfg):
     a_block, b_block = [cfg.block_m, cfg.block_k], [cfg.block_n, cfg.block_k]
     a_layout = gl.NVMMASharedLayout.get_default_for(a_block, gdt)
     b_layout = gl.NVMMASharedLayout.get_default_for(b_block, gdt)
+    out = torch.empty(1, 64, dtype=torch.float8_e4m3fn if quant_out else (
+        torch.float32 if gate and fp8 else torch.bfloat16))
+    tma_store = ws.uses_tma_store(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, quant_out)
+    c_block = [cfg.block_m, cfg.block_n]
+    c_desc = (f"tensordesc<bf16{c_block},{gl.NVMMASharedLayout.get_default_for(c_block, gl.bfloat16)!r}>"
+              if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")
     signature = dict(
         a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
-        a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32", row_scale_ptr="*fp32",
+        c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32", row_scale_ptr="*fp32",
         index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
         G_A="i32", G_C="i32")
-    meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gate_up=gate, fp8=fp8,
-                   pipe_mma=cfg.pipe_mma, quant_out=quant_out, has_row_scale=not gate, lanes=ws.MAX_EXPERTS,
+    meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate, fp8=fp8,
+                   pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store, has_row_scale=not gate,
+                   lanes=ws.MAX_EXPERTS,
                    block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, group_m=cfg.group_m,
                    stages=cfg.num_stages)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
-                          ["a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
+                          ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
                           maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)
 
 
 def ws_jobs() -> list:
-    """("ws", op, fp8, config) of every warp-specialized launch config: the tuner's candidates and the
-    table's entries."""
-    from epmoe.bench.experts_tune import WS_CANDIDATES
+    """("ws", op, fp8, config, gather) of every warp-specialized launch config: the tuner's candidates and
+    the table's entries, those of gate-ups through a row index (`_indexed`) with gather."""
+    from epmoe.bench.experts_tune import INDEXED_CANDIDATES, WS_CANDIDATES
     from epmoe.kernels import configs
-    out = [(op, fp8, cfg) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
+    out = [(op, fp8, cfg, False) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
+    out += [("gate_up", fp8, cfg, True) for fp8, cands in INDEXED_CANDIDATES.items() for cfg in cands
+            if cfg.warp_specialize]
     for op in configs.OPS:
         for fp8 in (False, True):
-            for _, cfg in configs._table()[configs.table_key(op, fp8)]:
-                if cfg.warp_specialize and (op, fp8, cfg) not in out:
-                    out.append((op, fp8, cfg))
-    return [("ws", op, fp8, cfg.to_dict()) for op, fp8, cfg in out]
+            for indexed in ((False, True) if op == "gate_up" else (False,)):
+                for _, cfg in configs._table()[configs.table_key(op, fp8, indexed)]:
+                    if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
+                        out.append((op, fp8, cfg, indexed))
+    return [("ws", op, fp8, cfg.to_dict(), gather) for op, fp8, cfg, gather in out]
 
 
 # Table entries whose spills are measured and kept: under triton 3.6's ptxas the fp8 gate-up over rows read
@@ -172,10 +183,12 @@ def run_job(job) -> tuple[str, list[str]]:
     if job[0] == "ws":
         from epmoe.bench.experts_tune import describe
         from epmoe.kernels.configs import GemmConfig
-        _, op, fp8, cfg = job
+        _, op, fp8, cfg, gather = job
         cfg = GemmConfig(**cfg)
-        kernel = _ws_kernel(op, fp8, cfg)
-        tag = f"ws {op} {'fp8' if fp8 else 'bf16'} {describe(cfg)}"
+        kernel = _ws_kernel(op, fp8, cfg, gather)
+        tag = f"ws {op} {'fp8' if fp8 else 'bf16'}{' gather' if gather else ''} {describe(cfg)}"
+        tag += " tma-store" if kernel.metadata.shared > 0 and "cp.async.bulk.tensor.2d.global.shared" in kernel.asm[
+            "ptx"] else ""
         serialized = wgmma_serialized(kernel)
         check_spills = True
     else:

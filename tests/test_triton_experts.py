@@ -497,7 +497,8 @@ WS_CASES = [(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.it
 def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, monkeypatch):
     """The warp-specialized kernel (each tuner candidate) against the references on a Hopper GPU: empty,
     single-row, partial-tile and multi-tile experts, both layouts, an odd number of K blocks (the paired
-    fp8 loop's padding step), the down GEMM with a per-row scale; and it really ran."""
+    fp8 loop's padding step), the down GEMM with a per-row scale, full tiles stored by TMA and partial ones
+    from registers (candidates with `uses_tma_store`); and it really ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
     launched = []
@@ -537,6 +538,47 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, monkeypatch):
     assert launched == [op == "gate_up"]
 
 
+GATHER_CASES = [(fp8, cfg) for fp8, cands in experts_tune.INDEXED_CANDIDATES.items() for cfg in cands
+                if cfg.warp_specialize]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,cfg", GATHER_CASES, ids=[f"{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
+                                                        for fp8, c in GATHER_CASES])
+@pytest.mark.parametrize("D", [384, 640])
+def test_warp_specialized_gather_kernel_gpu(fp8, cfg, D, monkeypatch):
+    """The warp-specialized gate-up reading its rows through a row index (cp.async loads) against the
+    reference on a Hopper GPU: source rows repeated and out of order, empty, single-row, partial-tile and
+    multi-tile experts, odd and even numbers of K blocks; and it really ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel needs a Hopper GPU")
+    launched = []
+    real = grouped_gemm.grouped_gemm_ws.launch
+    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
+                        lambda *a, **kw: (launched.append(kw["a_rows"] is not None), real(*a, **kw)))
+    counts = [0, 1, 7, 64, 300, 129, 2, 1000]
+    L, F = len(counts), 256
+    rows, R = make_rows(counts, False)
+    S = R // 3 + 1
+    x_rows = torch.randint(0, S, (R,), dtype=torch.int32, device=DEVICE)
+    w13, _ = weights(L, D, F)
+    x = torch.randn(S, D, device=DEVICE).bfloat16()
+    mask = valid_mask(rows, R)
+    if fp8:
+        q13, s13 = quantize_weight_ref(w13)
+        xq, xs = quantize_act_ref(x)
+        h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows, config=cfg)
+        h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows)
+        h = dequantize_act_ref(h, hs) if hs is not None else h.float()
+        assert_fp8_h_close(h[mask], h_ref[mask]) if hs is not None else torch.testing.assert_close(
+            h[mask], h_ref[mask], rtol=2e-2, atol=3e-2)
+    else:
+        h, _ = gate_up(x, w13.bfloat16(), rows, x_rows_R=x_rows, config=cfg)
+        torch.testing.assert_close(h[mask].float(), gate_up_ref(x, w13.bfloat16(), rows, x_rows_R=x_rows)[mask],
+                                   rtol=2e-2, atol=3e-2)
+    assert launched == [True]
+
+
 def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
     """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values a
     float32 sum in another order rounds to the neighbouring e4m3 value (one step: 2^-3 relative)."""
@@ -546,10 +588,12 @@ def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
     assert bool((err <= 0.13 * h_ref.abs() + FP8_H_TOL[1]).all())
 
 
-@pytest.mark.parametrize("op,fp8", [("gate_up", False), ("down", True), ("gate_up", True)])
-def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, monkeypatch):
+@pytest.mark.parametrize("op,fp8,gather", [("gate_up", False, False), ("down", True, False), ("gate_up", True, False),
+                                           ("gate_up", False, True), ("gate_up", True, True)])
+def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, monkeypatch):
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
-    of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is."""
+    of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
+    (gather: A's source rows and the row index passed as pointers)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -574,8 +618,10 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, monkeypatch
     if out.dtype == torch.float8_e4m3fn:
         out_scale = torch.empty(R, N // 128)
     offsets = torch.tensor([0, 5, 5, 40], dtype=torch.int32)
-    ws.launch(a.bfloat16() if not fp8 else a, a_s, w.bfloat16() if not fp8 else w, w_s, offsets, False, 0, out,
-              out_scale, None, gate_up=op == "gate_up", cfg=cfg, programs=7)
+    a = a.bfloat16() if not fp8 else a
+    a_rows = torch.arange(R, dtype=torch.int32).flip(0) if gather else None
+    ws.launch(a, a_s, w.bfloat16() if not fp8 else w, w_s, offsets, False, 0, out,
+              out_scale, None, gate_up=op == "gate_up", cfg=cfg, programs=7, a_rows=a_rows)
     (grid, bound, options), = calls
     assert grid == (7, ) and options == {"num_warps": cfg.num_warps, "maxnreg": ws._MAX_REGISTERS}
     assert bound["a_desc"].block_shape == [cfg.block_m, cfg.block_k]
@@ -584,11 +630,20 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, monkeypatch
     meta = bound["META"]
     assert (meta.gate_up, meta.fp8, meta.quant_out, meta.has_row_scale) == (op == "gate_up", fp8,
                                                                             out_scale is not None, False)
+    assert meta.gather == gather and bound["a_ptr"] is a
+    assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
+    # 16-bit outputs of the cooperative schedule store full tiles by TMA where the buffer fits (not the fp8 h)
+    assert meta.tma_store == (cfg.warp_specialize == "cooperative" and out.dtype == torch.bfloat16
+                              and ws.uses_tma_store(cfg, a.dtype, out, op == "gate_up", False))
+    if meta.tma_store:
+        c_desc = bound["c_desc"]
+        assert list(c_desc.block_shape) == [cfg.block_m, cfg.block_n] and list(c_desc.shape) == [R, N]
     assert (meta.schedule, meta.stages, meta.lanes) == (ws.SCHEDULES[cfg.warp_specialize], cfg.num_stages, 128)
 
 @pytest.mark.gpu
 def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():
-    """Rows through an index, float32, and a K row length TMA cannot address take the pointer kernel."""
+    """A down GEMM through a row index, float32, and a K row length TMA cannot address take the pointer
+    kernel."""
     from epmoe.kernels.grouped_gemm_ws import supported
     w = torch.zeros(2, 256, 128, dtype=torch.bfloat16, device=DEVICE)
     x = torch.zeros(64, 128, dtype=torch.bfloat16, device=DEVICE)
@@ -596,7 +651,11 @@ def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():
     kw = dict(gate_up=True, block_n=128, block_k=64)
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert supported(x, w, out, 2, gathered=False, **kw) == hopper
-    assert not supported(x, w, out, 2, gathered=True, **kw)
+    assert supported(x, w, out, 2, gathered=True, **kw) == hopper  # a gate-up through a row index: cp.async
+    assert not supported(x, w[:, :128], out, 2, gathered=True, **{**kw, "gate_up": False})
+    x_200, w_200 = (torch.zeros(*shape, 200, dtype=torch.bfloat16, device=DEVICE) for shape in ((64,), (2, 256)))
+    assert supported(x_200, w_200, out, 2, gathered=False, **kw) == hopper
+    assert not supported(x_200, w_200, out, 2, gathered=True, **kw)  # K not a multiple of block_k
     assert not supported(x.float(), w.float(), out, 2, gathered=False, **kw)
     x_odd, w_odd = torch.zeros(64, 124, dtype=torch.bfloat16, device=DEVICE), w[:, :, :124].contiguous()
     assert not supported(x_odd, w_odd, out, 2, gathered=False, **kw)  # rows of 248 B: not a multiple of 16

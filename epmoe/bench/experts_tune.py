@@ -15,7 +15,7 @@ the committed entry first) is
    quantized for fp8), median of do_bench repeats with L2 flushed, beside torch._grouped_mm and a dense
    cuBLAS matmul of the same total size (bf16), or a dense torch._scaled_mm (fp8, one scale per tensor).
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
-through a row index (`_indexed` entries, the pointer kernel only) are swept the same way over
+through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the pointer kernel) are swept the same way over
 `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode, weight-bandwidth bound, at their floor) keep the
 committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
 OUT/experts_tune.json (every check and time, after each point), and prints a table per point last.
@@ -52,7 +52,8 @@ POINTS = {
     256: (("dsv3-128", 256), ("qwen3-30b", 256), ("dsv2-lite", 256)),
     1_000_000_000: (("dsv3-128", 1024), ("qwen3-30b", 1024), ("mixtral-8x7b", 4096), ("dsv2-lite", 1024)),
 }
-INDEXED_POINTS = {128: (("dsv3-128", 128),), 256: (("qwen3-30b", 256),), 1_000_000_000: (("dsv3-128", 1024),)}
+INDEXED_POINTS = {128: (("dsv3-128", 128),), 256: (("qwen3-30b", 256),),
+                  1_000_000_000: (("dsv3-128", 1024), ("qwen3-30b", 1024), ("mixtral-8x7b", 4096))}
 TOP_K = 8  # an indexed gate-up reads R rows from S = R / TOP_K source rows
 CHECK_EXPERTS = 16
 
@@ -63,14 +64,17 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 
 
 # Warp-specialized candidates per (op, fp8), the same for every bucket. Shared memory: stages of
-# (block_m + block_n (x2 gate-up)) * block_k elements within 227 KB; registers: the fp32 tiles a consumer
+# (block_m + block_n (x2 gate-up)) * block_k elements within 227 KB, with the 16-bit outputs' TMA store
+# buffer where it fits beside them (`grouped_gemm_ws.uses_tma_store`: the 3-stage 128x256 down is there for
+# it); registers: the fp32 tiles a consumer
 # thread holds (accumulators, and for fp8 the one or two block results) within 224 (tests/compile_hopper.py
 # checks both with triton 3.6 and the newest, and that ptxas keeps the wgmma pipelined). Two 4-warp consumers
 # hold too few registers (triton 3.6's ptxas spills) for the fp8 gate-up's 128-column h tiles (h
 # quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results.
 WS_CANDIDATES = {
     ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("interleaved", 64, 128, 64, 5)),
-    ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 128, 64, 6),
+    ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 256, 64, 3),
+                      _ws("cooperative", 128, 128, 64, 6),
                       _ws("interleaved", 128, 128, 64, 6)),
     ("gate_up", True): (_ws("cooperative", 64, 128, 128, 5, pipe=True), _ws("cooperative", 128, 128, 128, 4),
                         _ws("interleaved", 64, 64, 128, 8)),
@@ -85,10 +89,12 @@ POINTER_CANDIDATES = {
     ("down", False): (), ("gate_up", True): (), ("down", True): (),
 }
 INDEXED_CANDIDATES = {
-    False: (GemmConfig(block_m=64, block_n=128, block_k=64, group_m=4, num_warps=4, num_stages=4),
+    False: (_ws("cooperative", 128, 128, 64, 4),
+            GemmConfig(block_m=64, block_n=128, block_k=64, group_m=4, num_warps=4, num_stages=4),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tma=True)),
-    True: (GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=8, num_stages=4),
+    True: (_ws("cooperative", 64, 128, 128, 5, pipe=True),
+           GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=8, num_stages=4),
            GemmConfig(block_m=128, block_n=128, block_k=128, group_m=16, num_warps=8, num_stages=3)),
 }
 

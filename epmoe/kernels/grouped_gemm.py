@@ -11,10 +11,10 @@ counts_L[l]. Every program rebuilds the tile map on device from the L counts (`t
 so there is no host sync; the programs are persistent (at most a few per SM) and loop over the real
 tiles only, so rows past the counts cost nothing even when the batched slots are mostly empty.
 
-Two kernels: the pointer kernel below (any GPU and the interpreter, rows read through a row index,
-float32) and, on Hopper, the warp-specialized Gluon kernel of grouped_gemm_ws.py (TMA loader warps and
-wgmma consumers), which launch configs with `warp_specialize` set ask for; launches it cannot serve run
-their config's `pointer_variant` here.
+Two kernels: the pointer kernel below (any GPU and the interpreter, float32) and, on Hopper, the
+warp-specialized Gluon kernel of grouped_gemm_ws.py (loader warps feeding wgmma consumers by TMA, and by
+cp.async for rows read through a row index), which launch configs with `warp_specialize` set ask for;
+launches it cannot serve run their config's `pointer_variant` here.
 
 fp8 (e4m3, block 128): acc += dot(a, b) * a_scale[row] * b_scale[col] per K block (BLOCK_K divides 128,
 so each K block lies in one scale group); weights carry one scale per 128x128 block, activations one
@@ -331,7 +331,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     if _warp_specialized(cfg, a, w, out, rows, gate_up=gate_up, gathered=a_rows is not None):
         grouped_gemm_ws.launch(a, a_scale, w, w_scale, rows.index_L, rows.batched, rows.slot_rows, out, out_scale,
                                row_scale, gate_up=gate_up, cfg=cfg,
-                               programs=min(max_tiles_m * triton.cdiv(N, cfg.block_n), _sm_count(a.device.index)))
+                               programs=min(max_tiles_m * triton.cdiv(N, cfg.block_n), _sm_count(a.device.index)),
+                               a_rows=a_rows)
         return
     cfg = cfg.pointer_variant(a.element_size())
     dummy = out  # placeholder pointer for arguments a variant does not read

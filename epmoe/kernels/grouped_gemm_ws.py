@@ -19,12 +19,19 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   loop iteration (ptxas serializes every wgmma when one stays in flight across iterations while other
   instructions read accumulators). Without pipe_mma each block is waited for and promoted before the
   next is issued (gate-up: the gate's MMA, then the up's, into one register tile).
-The epilogue stores from registers with masks: rows past the expert's end (the next expert's rows, or
-TMA's zero fill past R) and columns past N are computed but never stored.
+The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
+(`Meta.tma_store`: 16-bit outputs of the cooperative schedule where the buffer fits beside the ring;
+the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
+the next such epilogue); the other tiles store from registers with masks: rows past the expert's end
+(the next expert's rows, or TMA's zero fill past R) and columns past N are computed but never stored.
 
-Needs TMA for both operands, so the rows of A cannot be read through a row index (the pointer kernel
-does that). Runs only on a Hopper GPU (Gluon has no interpreter); `grouped_gemm` launches it (`launch`)
-for launch configs with `warp_specialize` set where `supported` says it can.
+A gate-up may read its rows through a row index (`Meta.gather`: row i of the batch is A[a_rows[i]], the
+contiguous layout): TMA cannot gather rows, so there the loader's threads copy A's tiles with cp.async,
+one 16-byte piece each at a time, rows past the expert's end zero-filled, and arrive on the stage's
+`ready` mbarrier once their copies land (it counts the TMA expect and every loader thread); B still
+comes by TMA. The consumers fence the generic-proxy writes before their wgmma read them.
+Runs only on a Hopper GPU (Gluon has no interpreter); `grouped_gemm` launches it (`launch`) for launch
+configs with `warp_specialize` set where `supported` says it can.
 """
 from __future__ import annotations
 
@@ -35,7 +42,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_BLOCK
@@ -50,6 +59,11 @@ SCHEDULES = {"cooperative": 0, "interleaved": 1}
 LOADER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(56)
 CONSUMER_REGS = gl.constexpr(224)
+# A loader that gathers 16-bit rows (cp.async) holds each tile's source rows and the pieces' addresses: 56
+# registers spill there (ptxas of triton 3.6), so it takes 80 and the second consumer 216; the fp8 gathers
+# keep 56 (their consumers spill with fewer than 224).
+GATHER_LOADER_REGS = gl.constexpr(80)
+GATHER_CONSUMER_REGS = gl.constexpr(216)
 # Registers per thread the kernel is compiled for: the 65536 over its 12 warps (8 consumer warps and the
 # loader's 4); setmaxnreg then moves them from the loader to the consumers.
 _MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
@@ -61,6 +75,16 @@ _SCALE_GROUP = gl.constexpr(FP8_BLOCK)
 # TMA tile load into shared memory, signalling an mbarrier: `async_load` in newer Tritons, which removed
 # triton 3.6's `async_copy_global_to_shared`.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A barrier of the partition's warps: `barrier` in newer Tritons, `thread_barrier` in triton 3.6.
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+SHARED_BYTES = 232448  # shared memory one H100/H200 block may use
+# cp.async of a pointer tile into shared memory: `async_load` in newer Tritons (which keep the old name only
+# to raise), `async_copy_global_to_shared` in triton 3.6.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# Threads that arrive on a gathering stage's `ready` mbarrier besides the TMA expect: every loader thread.
+_GATHER_ARRIVALS = LOADER_WARPS * 32
+_COPY_BYTES = 16  # one cp.async piece
 _tile_coords = gluon.jit(tile_coords.fn)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}
@@ -72,10 +96,12 @@ class Meta:
 
     schedule: int  # SCHEDULES
     batched: bool
+    gather: bool  # A's rows through a row index (cp.async loads; contiguous layout, gate-up)
     gate_up: bool
     fp8: bool
     pipe_mma: bool
     quant_out: bool  # gate-up fp8: h quantized in the epilogue (block_n == 128)
+    tma_store: bool  # full tiles' outputs through shared memory and a TMA store (`uses_tma_store`)
     has_row_scale: bool
     lanes: int  # expert lanes of the tile map: a power of two >= L
     block_m: int
@@ -147,29 +173,70 @@ def _ring_slot(j, n_mine, steps, META: gl.constexpr):
     return pos0, stride
 
 
+@gluon.constexpr_function
+def _copy_layout(block_k, element_bits, num_warps):
+    """The loader's layout of a gathered A tile [block_m, block_k]: 16-byte pieces along K, a row's pieces
+    on neighbouring lanes, warps along M."""
+    vec = _COPY_BYTES * 8 // element_bits
+    lanes_k = min(max(block_k // vec, 1), 32)
+    return gl.BlockedLayout([1, vec], [32 // lanes_k, lanes_k], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
-def _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, META: gl.constexpr):
-    """Ring position pos <- A[row0:, k0:] and B[b_row:, k0:] (gate-up: and B[b_row + N:, k0:])."""
+def _gather_rows(a_ptr, a_rows_ptr, row0, row_end, META: gl.constexpr):
+    """(source row, live) of a gathered tile's rows, in the copy layout's row slice: a_rows[row] for the
+    expert's rows, live False past its end (those pieces are zero-filled)."""
+    layout: gl.constexpr = _copy_layout(META.block_k, a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps())
+    offs_m = row0 + gl.arange(0, META.block_m, layout=gl.SliceLayout(1, layout))
+    live = offs_m < row_end
+    return gl.load(a_rows_ptr + offs_m, mask=live, other=0).to(gl.int64), live
+
+
+@gluon.jit
+def _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, gathered, META: gl.constexpr):
+    """Ring position pos <- A[row0:, k0:] (gather: A[src, k0:] of gathered = (a_ptr, K, src rows, live),
+    by cp.async) and B[b_row:, k0:] (gate-up: and B[b_row + N:, k0:])."""
     a_bufs, b_bufs, bu_bufs, ready, empty = ring
     s = pos % META.stages
     # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the ring
     # does not wait.
     mbarrier.wait(empty.index(s), ((pos // META.stages) & 1) ^ 1)
     bar = ready.index(s)
-    if META.gate_up:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+    b_bytes: gl.constexpr = b_desc.block_type.nbytes * (2 if META.gate_up else 1)
+    if META.gather:
+        mbarrier.expect(bar, b_bytes)
     else:
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    _tma_load(a_desc, [row0, k0], bar, a_bufs.index(s))
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_bytes)
+        _tma_load(a_desc, [row0, k0], bar, a_bufs.index(s))
     _tma_load(b_desc, [b_row, k0], bar, b_bufs.index(s))
     if META.gate_up:
         _tma_load(b_desc, [b_row + N, k0], bar, bu_bufs.index(s))
+    if META.gather:
+        a_ptr, K, src, live = gathered
+        layout: gl.constexpr = _copy_layout(META.block_k, a_ptr.dtype.element_ty.primitive_bitwidth,
+                                            gl.num_warps())
+        offs_k = k0 + gl.arange(0, META.block_k, layout=gl.SliceLayout(0, layout))
+        ptrs = a_ptr + src[:, None] * K + offs_k[None, :]
+        _cp_async(a_bufs.index(s), ptrs, mask=live[:, None])  # (K a multiple of block_k: `supported`)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META: gl.constexpr):
+    """What `_load_block` reads A's rows of a tile by: (a_ptr, K, source rows, live) with `Meta.gather`,
+    else placeholders it ignores (TMA reads rows row0..)."""
+    if META.gather:
+        src, live = _gather_rows(a_ptr, a_rows_ptr, row0, row_end, META)
+    else:
+        src, live = row0, row0 < row_end
+    return a_ptr, K, src, live
 
 
 @gluon.jit
 def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     """The loader: the K blocks of this program's tiles into the ring, in ring order."""
     index_ptr, L, SLOT_ROWS, N, K = args[5], args[6], args[7], args[9], args[10]
+    a_ptr, a_rows_ptr = args[15], args[16]
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
@@ -191,13 +258,15 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
                                                            tiles, tiles_end, num_tiles_m, num_tiles_n,
                                                            META.group_m, META.block_m)
             b_row2 = expert2 * b_rows_per_expert + pid_n2 * META.block_n
+            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
+            gathered2 = _gathered(a_ptr, a_rows_ptr, K, row2, row_end2, META)
             pos = 2 * p * steps
             for kk in range(steps):
                 k0 = gl.minimum(kk, k_tiles - 1) * META.block_k  # a padding step reloads the last block
-                _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, META)
+                _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, gathered, META)
                 pos += 1
                 if full:
-                    _load_block(a_desc, b_desc, ring, pos, row2, b_row2, k0, N, META)
+                    _load_block(a_desc, b_desc, ring, pos, row2, b_row2, k0, N, gathered2, META)
                     pos += 1
     else:
         pos = 0
@@ -205,9 +274,10 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
             expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
                                                         num_tiles_n, META.group_m, META.block_m)
             b_row = expert * b_rows_per_expert + pid_n * META.block_n
+            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
             for kk in range(steps):
                 _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k,
-                            N, META)
+                            N, gathered, META)
                 pos += 1
 
 
@@ -218,6 +288,8 @@ def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.const
     a_bufs, b_bufs, bu_bufs, ready, empty = ring
     s = pos % META.stages
     mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
+    if META.gather:
+        fence_async_shared()  # the loader's cp.async wrote A through the generic proxy; wgmma reads by the async one
     b = bu_bufs.index(s) if UP else b_bufs.index(s)
     return warpgroup_mma(a_bufs.index(s), b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
 
@@ -324,10 +396,18 @@ def _mainloop_fp8_paired(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs,
 
 
 @gluon.jit
-def _ws_consume(ring, args, CONSUMER: gl.constexpr, META: gl.constexpr):
-    """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ..."""
+def _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N):
+    """acc's rows below the expert's end and columns below N into C [R, N] from registers."""
+    c_ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * N + offs_n[None, :]
+    gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n < N)[None, :])
+
+
+@gluon.jit
+def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
+    """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ...
+    (out: C's TMA descriptor and the shared buffer of its tiles, with `Meta.tma_store`)."""
     (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl,
-     stride_bsn, G_A, G_C) = args
+     stride_bsn, G_A, G_C, a_ptr, a_rows_ptr) = args
     W: gl.constexpr = gl.num_warps()
     BITS: gl.constexpr = ring[0].dtype.primitive_bitwidth
     BLOCK_M: gl.constexpr = META.block_m
@@ -355,6 +435,8 @@ def _ws_consume(ring, args, CONSUMER: gl.constexpr, META: gl.constexpr):
         m_mask = offs_m < row_end
         if META.fp8:
             rows_a = gl.minimum(offs_m, R - 1).to(gl.int64)  # rows past the expert's end: read, never stored
+            if META.gather:
+                rows_a = gl.load(a_rows_ptr + rows_a, mask=m_mask, other=0).to(gl.int64)
             a_scale_ptrs = a_scale_ptr + rows_a * G_A
             b_scale_at = (b_scale_ptr + expert.to(gl.int64) * stride_bsl
                           + (pid_n * META.block_n // _SCALE_GROUP) * stride_bsn)
@@ -373,31 +455,48 @@ def _ws_consume(ring, args, CONSUMER: gl.constexpr, META: gl.constexpr):
         if META.has_row_scale:
             acc = acc * gl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
-        rows_c = offs_m.to(gl.int64)
-        c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
-        c_mask = m_mask[:, None] & (offs_n < N)[None, :]
         if META.quant_out:
             # One scale group per column tile (block_n == 128, N a multiple of it), as `quantize_act`.
             scale = gl.div_rn(gl.maximum(gl.max(gl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
             q = gl.minimum(gl.maximum(gl.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            gl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
-            gl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
+            _store_masked(c_ptr, q, offs_m, offs_n, m_mask, N)
+            gl.store(c_scale_ptr + offs_m.to(gl.int64) * G_C + pid_n, scale, mask=m_mask)
+        elif META.tma_store:
+            c_desc, c_smem = out
+            if row0 + BLOCK_M <= row_end:
+                tma.store_wait(0)  # the last tile's store has read the buffer (its issuing thread waits) ...
+                _partition_barrier()  # ... before any warp writes it again
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)  # columns past N: clipped by TMA
+            else:
+                _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
         else:
-            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
+    if META.tma_store:
+        tma.store_wait(0)
 
 
 # Sizes that do not shape the code are not specialized on (one binary serves every expert count).
 @gluon.jit(do_not_specialize=["L", "SLOT_ROWS", "R", "stride_bsl", "stride_bsn", "G_A", "G_C"])
-def _ws_gemm_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr,
-                    L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C, META: gl.constexpr):
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
+                    row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C,
+                    META: gl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (gate-up: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of
     B[l]), as `grouped_gemm._grouped_gemm_kernel`: A through a_desc ([R, K], block [block_m, block_k]),
-    B through b_desc (B as [L * N (x2), K], block [block_n, block_k]), C [R, N] by pointers."""
+    or with `Meta.gather` A [S, K] at a_ptr, row i of the batch A[a_rows[i]] (a_desc then only gives the
+    tiles' shape and shared layout); B through b_desc (B as [L * N (x2), K], block [block_n, block_k]),
+    C [R, N] by pointers, and with `Meta.tma_store` full tiles through c_desc (block [block_m, block_n];
+    else any descriptor, unread)."""
+    gl.static_assert(not META.gather or (META.gate_up and not META.batched), "a row index is for the gate-up, "
+                     "contiguous layout")
     gl.static_assert(not META.fp8 or META.block_k == _SCALE_GROUP, "fp8 needs block_k == 128 (one scale group)")
     gl.static_assert(not META.fp8 or _SCALE_GROUP % META.block_n == 0, "fp8 needs block_n to divide 128")
     gl.static_assert(not META.quant_out or (META.gate_up and META.fp8 and META.block_n == _SCALE_GROUP),
                      "fp8 h output needs the gate-up fp8 kernel with block_n == 128")
     gl.static_assert(META.schedule == 0 or gl.num_warps() == 4, "two consumers have 4 warps each")
+    gl.static_assert(not META.tma_store or (META.schedule == 0 and not META.quant_out),
+                     "TMA stores: the cooperative schedule's 16-bit outputs")
     STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -408,18 +507,25 @@ def _ws_gemm_kernel(a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1 + (_GATHER_ARRIVALS if META.gather else 0))
         mbarrier.init(empty.index(i), count=1)
     ring = (a_bufs, b_bufs, bu_bufs, ready, empty)
-    args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
-            stride_bsl, stride_bsn, G_A, G_C)
-    if META.schedule == 0:
-        gl.warp_specialize([(_ws_consume, (ring, args, 0, META)), (_ws_load, (a_desc, b_desc, ring, args, META))],
-                           [LOADER_WARPS], [LOADER_REGS])
+    if META.tma_store:
+        out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout))
     else:
-        gl.warp_specialize([(_ws_consume, (ring, args, 0, META)), (_ws_consume, (ring, args, 1, META)),
+        out = (c_desc, a_bufs)  # (unread)
+    args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
+            stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr)
+    loader_regs: gl.constexpr = GATHER_LOADER_REGS if META.gather and not META.fp8 else LOADER_REGS
+    if META.schedule == 0:
+        gl.warp_specialize([(_ws_consume, (ring, args, out, 0, META)),
                             (_ws_load, (a_desc, b_desc, ring, args, META))],
-                           [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+                           [LOADER_WARPS], [loader_regs])
+    else:
+        consumer_regs: gl.constexpr = GATHER_CONSUMER_REGS if META.gather and not META.fp8 else CONSUMER_REGS
+        gl.warp_specialize([(_ws_consume, (ring, args, out, 0, META)), (_ws_consume, (ring, args, out, 1, META)),
+                            (_ws_load, (a_desc, b_desc, ring, args, META))],
+                           [4, LOADER_WARPS], [consumer_regs, loader_regs])
 
 
 @functools.cache
@@ -433,27 +539,40 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: int, *, gate_up: bool,
               block_n: int, block_k: int, gathered: bool) -> bool:
-    """Whether this kernel can run a launch (else the pointer kernel does): a Hopper GPU; A read in order
-    (no row index); 16-bit or fp8 A and B of one dtype (fp8 x quantized before); TMA-aligned rows; K > 0;
-    at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one weight scale per column tile (gate-up:
-    F a multiple of 128, so that the up half's scale blocks line up too)."""
-    if gathered or not a.is_cuda or not _is_hopper(a.device.index):
+    """Whether this kernel can run a launch (else the pointer kernel does): a Hopper GPU; A read in order,
+    or through a row index (gathered) for a gate-up whose K is a multiple of block_k; 16-bit or fp8 A and B of one dtype (fp8 x quantized
+    before); TMA-aligned rows; K > 0; at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one
+    weight scale per column tile (gate-up: F a multiple of 128, so that the up half's scale blocks line
+    up too)."""
+    if (gathered and not gate_up) or not a.is_cuda or not _is_hopper(a.device.index):
         return False
     if a.dtype not in _GL_DTYPES or w.dtype != a.dtype or not (_tma_ready(a) and _tma_ready(w)):
         return False
     K, N = a.shape[1], out.shape[1]
-    if K == 0 or num_experts > MAX_EXPERTS:
+    if K == 0 or num_experts > MAX_EXPERTS or (gathered and K % block_k):
         return False
     if w.dtype == FP8_DTYPE:
         return block_k == FP8_BLOCK and FP8_BLOCK % block_n == 0 and (not gate_up or N % FP8_BLOCK == 0)
     return True
 
 
+def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, quant_out: bool) -> bool:
+    """Whether a launch stores its full tiles by TMA: the cooperative schedule, a 16-bit TMA-ready output
+    (not the fp8 h), and the ring's stages with the [block_m, block_n] output buffer within the block's
+    shared memory."""
+    if cfg.warp_specialize != "cooperative" or quant_out or out.element_size() != 2 or not _tma_ready(out):
+        return False
+    item = torch.empty((), dtype=a_dtype).element_size()
+    stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * item
+    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
+
+
 def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, out_scale, row_scale, *,
-           gate_up: bool, cfg, programs: int) -> None:
+           gate_up: bool, cfg, programs: int, a_rows: torch.Tensor | None = None) -> None:
     """Launch the kernel for one grouped GEMM (operands checked by the caller, `supported` true).
 
     a [R, K] and w [L, N (x2 for gate-up), K] in one dtype (fp8: a_scale [R, G], w_scale [L, ., G]);
+    or a [S, K] (and a_scale [S, G]) read through a_rows, int32 [R] in [0, S) (gate-up, contiguous);
     out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
     offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM).
     """
@@ -465,13 +584,22 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     a_block, b_block = [cfg.block_m, cfg.block_k], [cfg.block_n, cfg.block_k]
     a_desc = TensorDescriptor.from_tensor(a, a_block, gl.NVMMASharedLayout.get_default_for(a_block, dt))
     b_desc = TensorDescriptor.from_tensor(w.view(-1, K), b_block, gl.NVMMASharedLayout.get_default_for(b_block, dt))
-    meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gate_up=gate_up, fp8=fp8,
-                pipe_mma=cfg.pipe_mma, quant_out=out_scale is not None, has_row_scale=row_scale is not None,
+    quant_out = out_scale is not None
+    tma_store = uses_tma_store(cfg, a.dtype, out, gate_up, quant_out)
+    c_desc = b_desc
+    if tma_store:
+        c_block = [cfg.block_m, cfg.block_n]
+        c_desc = TensorDescriptor.from_tensor(out, c_block,
+                                              gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
+    meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
+                gate_up=gate_up, fp8=fp8, pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store,
+                has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
                 block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
-        a_desc, b_desc, a_scale if fp8 else dummy, w_scale if fp8 else dummy, out,
+        a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
+        w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
         L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
