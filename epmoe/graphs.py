@@ -7,7 +7,7 @@ Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a powe
 K top-k.
 
 A call allocates its output, points the bucket's address table at its x, ids, weights and output
-(`epmoe.kernels.graph_io`: one 72-byte host-to-device copy) and replays. The graph's first kernel
+(`epmoe.kernels.graph_io`: a 72-byte row of pinned host memory that the graph reads) and replays. The graph's first kernel
 copies the call's T rows into the bucket's static inputs (rows past T get ids -1: they route nowhere),
 its last one copies the routed output's T rows into the caller's output tensor, which the caller owns:
 the next replay does not touch it. The graphs of a layer share one `GraphPool` (replays never run at
@@ -155,8 +155,13 @@ class RoutedGraphs:
         if g is None:
             g = self._graphs[key] = self._capture(*key)
         out_TD = torch.empty(T, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
-        g.static.io.point(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK), out_TD)
-        g.graph.replay()
+        io = g.static.io
+        io.point(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK), out_TD)
+        try:
+            g.graph.replay()
+        except BaseException:
+            io.abandon()
+            raise
         return out_TD
 
     def _capture(self, B: int, ids_dtype: torch.dtype, weights_dtype: torch.dtype) -> _Captured:
@@ -172,7 +177,11 @@ class RoutedGraphs:
             assert out_BD.shape == s.x_BD.shape and out_BD.dtype == s.x_BD.dtype and out_BD.is_contiguous()
             s.io.unstage(out_BD)
 
-        return _Captured(self._record(run), s)
+        try:
+            return _Captured(self._record(run), s)
+        except BaseException:
+            s.io.abandon()  # the eager run may have stopped between stage and unstage
+            raise
 
     def _record(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """The CUDA graph of run() (after one eager run on a side stream, as torch.cuda.graph's docs ask:

@@ -55,8 +55,10 @@ def main() -> None:
                 dict(K=K, K_BLOCK=triton.next_power_of_2(K), ROWS=rows, BLOCK_D=block_d), ["table_ptr", "x_ptr"],
                 layout.GATHER_WARPS, 1))
         check(f"unstage D{D} B{B}", compile_hopper(
-            graph_io._unstage_kernel, dict(table_ptr="*i64", out_ptr="*bf16", D="i32"),
+            graph_io._unstage_kernel, dict(counter_ptr="*i64", table_ptr="*i64", out_ptr="*bf16", D="i32"),
             dict(ROWS=rows, BLOCK_D=block_d), ["table_ptr", "out_ptr"], layout.GATHER_WARPS, 1))
+    check("fetch", compile_hopper(graph_io._fetch_kernel, dict(ring_addr="i64", counter_ptr="*i64", table_ptr="*i64"),
+                                  dict(RING=graph_io.IOTable.RING_ROWS), ["table_ptr"], 1, 1))
     if failures:
         print("\n".join(failures))
         sys.exit(1)

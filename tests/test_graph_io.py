@@ -1,7 +1,8 @@
 """The CUDA graphs' input and output kernels (epmoe/kernels/graph_io.py), exactly: the call's rows copied
 through the address table into the static inputs (ids past T set to -1, weights to 0), the output's
 rows into the caller's tensor and nothing else; strided rows, int32/int64 ids, bf16/fp32 weights, T = 0,
-1 and B, odd D; on CPU tensors under the Triton interpreter, on a GPU where there is one. (Their sm_90 build
+1 and B, odd D; each call reading its own ring row, over more calls than the ring has rows, and a call
+abandoned; on CPU tensors under the Triton interpreter, on a GPU where there is one. (Their sm_90 build
 is checked beside the layout engine's: compile_layout.py.)"""
 import pytest
 import torch
@@ -42,6 +43,31 @@ def test_stage_and_unstage_move_exactly_the_call_rows(device, B, T, D, K, ids_dt
     assert (out[outside] == 7).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_read_their_own_ring_rows_and_an_abandoned_call_is_skipped(device):
+    dev = torch.device(device)
+    io = IOTable(dev)
+    B, D, K, N = 2, 4, 1, IOTable.RING_ROWS + 3
+    ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
+    w = torch.ones(1, K, device=dev)
+    x_BD, ids_BK, w_BK = torch.zeros(B, D, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev), torch.zeros(
+        B, K, device=dev)
+    outs = torch.zeros(N, 1, D, device=dev)
+    xs = [torch.full((1, D), float(i), device=dev) for i in range(N)]
+    for i in range(N):
+        io.point(xs[i], ids, w, outs[i])
+        if i == 5:  # a call whose replay never ran
+            io.abandon()
+            continue
+        io.stage(x_BD, ids_BK, w_BK)
+        io.unstage(x_BD + 1)  # (a graph's routed part in between)
+    got = outs[:, 0, 0].cpu()
+    want = torch.arange(N, dtype=torch.float32) + 1
+    want[5] = 0
+    assert torch.equal(got, want)
+    assert int(io.counter.item()) == N
+
+
 def test_rows_contiguous_copies_only_strided_columns():
     t = torch.arange(12.0).reshape(3, 4)
     assert rows_contiguous(t) is t
@@ -54,14 +80,14 @@ def test_rows_contiguous_copies_only_strided_columns():
 def test_ring_rows_are_written_again_only_after_their_copies_ran():
     """Three rounds of the host ring and more queued behind a busy GPU, with a switch of streams in
     between: every call's stage still copies its own x (a row written too early would give an earlier
-    or later call's)."""
+    or later call's) and its unstage writes its own output."""
     dev = torch.device("cuda", torch.cuda.current_device())
     io = IOTable(dev)
     B, D, K, N = 4, 8, 2, 3 * IOTable.RING_ROWS + 5
     xs = [torch.full((1, D), float(i), device=dev) for i in range(N)]  # (fp32: bf16 holds no 257)
     ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     w = torch.ones(1, K, dtype=torch.float32, device=dev)
-    out = torch.empty(1, D, device=dev)
+    outs = torch.zeros(N, 1, D, device=dev)
     statics = [(torch.zeros(B, D, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev),
                 torch.zeros(B, K, dtype=torch.float32, device=dev)) for _ in range(N)]
     side = torch.cuda.Stream(dev)
@@ -70,9 +96,11 @@ def test_ring_rows_are_written_again_only_after_their_copies_ran():
         stream = side if N // 2 <= i < N // 2 + 7 else torch.cuda.current_stream(dev)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(1_000_000)  # and the GPU stays behind after each wait of the host
-            io.point(xs[i], ids, w, out)
+            io.point(xs[i], ids, w, outs[i])
             io.stage(*statics[i])
+            io.unstage(statics[i][0])
     torch.cuda.synchronize(dev)
     got = [int(s[0][0, 0].item()) for s in statics]
     assert got == list(range(N))
+    assert outs[:, 0, 0].tolist() == list(range(N))
     assert all((s[0][1:] == 0).all() and (s[1][1:] == -1).all() for s in statics)
