@@ -71,23 +71,40 @@ def check_inference(module: torch.nn.Module, hidden_states_TD: torch.Tensor, top
 
 def run_moe(moe: FusedMoE, hidden_states_TD: torch.Tensor, top_k_index_TK: torch.Tensor,
             top_k_weights_TK: torch.Tensor) -> torch.Tensor:
-    """moe on the router's choice; the output in the hidden states' dtype."""
-    x_TD = hidden_states_TD.to(moe.cfg.dtype)
-    out_TD = moe(x_TD, weights_TK=top_k_weights_TK, ids_TK=top_k_index_TK)
-    return out_TD.to(hidden_states_TD.dtype)
+    """moe on the router's choice; the output in the hidden states' dtype (casts only where they differ:
+    a decode step's experts calls are paced by the host)."""
+    dtype = hidden_states_TD.dtype
+    x_TD = hidden_states_TD if dtype == moe.cfg.dtype else hidden_states_TD.to(moe.cfg.dtype)
+    out_TD = moe.forward(x_TD, weights_TK=top_k_weights_TK, ids_TK=top_k_index_TK)  # (the layer has no hooks)
+    return out_TD if out_TD.dtype == dtype else out_TD.to(dtype)
+
+
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """module's parameter, buffer or tensor attribute `name`, or None (dictionary reads: no
+    Module.__getattr__, whose misses raise)."""
+    t = module._parameters.get(name)
+    if t is None:
+        t = module._buffers.get(name)
+    if t is None:
+        t = module.__dict__.get(name)
+    return t
 
 
 def compute_dtype(module: torch.nn.Module, hidden_states_TD: torch.Tensor) -> torch.dtype:
     """The dtype the module's FusedMoE runs in: its weights' (unquantized), else the hidden states'."""
-    weight_dtype = module.gate_up_proj.dtype
-    return hidden_states_TD.dtype if weight_dtype.itemsize == 1 else weight_dtype
+    w13 = _tensor(module, "gate_up_proj")
+    return hidden_states_TD.dtype if w13 is None or w13.dtype.itemsize == 1 else w13.dtype
 
 
 def weights_key(module: torch.nn.Module, top_k: int, dtype: torch.dtype) -> tuple:
-    """What the module's FusedMoE was built from: its weight tensors' storage, shapes and dtypes, K, dtype."""
-    tensors = [getattr(module, name, None) for name in
-               ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")]
-    return (top_k, dtype) + tuple(None if t is None else (t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
+    """What the module's FusedMoE was built from: K, dtype, its weights' addresses and shapes and its
+    scales' addresses (another dtype or device of a tensor is another allocation, at another address)."""
+    w13, w2, s13, s2 = (_tensor(module, name) for name in
+                        ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"))
+    if w13 is None or w2 is None:
+        return (top_k, dtype, None)  # (`experts_weights` refuses such a module)
+    return (top_k, dtype, w13.data_ptr(), w13.shape, w2.data_ptr(), w2.shape,
+            None if s13 is None else s13.data_ptr(), None if s2 is None else s2.data_ptr())
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
