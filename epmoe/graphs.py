@@ -7,10 +7,10 @@ Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a powe
 K top-k.
 
 A call allocates its output, points the bucket's address table at its x, ids, weights and output
-(`epmoe.kernels.graph_io`: a 72-byte row of pinned host memory that the graph reads) and replays. The graph's first kernel
-copies the call's T rows into the bucket's static inputs (rows past T get ids -1: they route nowhere),
-its last one copies the routed output's T rows into the caller's output tensor, which the caller owns:
-the next replay does not touch it. The graphs of a layer share one `GraphPool` (replays never run at
+(`epmoe.kernels.graph_io`: a 72-byte row of pinned host memory that the graph reads) and replays. The
+graph's first kernels fetch that row and copy the call's T rows into the bucket's static inputs (rows
+past T get ids -1: they route nowhere), its last one copies the routed output's T rows into the caller's
+output tensor, which the caller owns: the next replay does not touch it. The graphs of a layer share one `GraphPool` (replays never run at
 once): a CUDA graph memory pool for their intermediates, and one set of static inputs and address table
 per bucket. A pool may be shared by several layers' graphs (e.g. every MoE layer of a model), whose
 memory then is that of one layer's.
@@ -29,8 +29,8 @@ from .symm import indexed_device
 
 # The most bytes a bucket's graph may hold in its pool (intermediates of the routed part): 16384 tokens of
 # Qwen3-30B-A3B's or DeepSeek-V2-Lite's shapes (1.4 GB), whose eager calls cost the host 0.7-1.6 ms, 45-62%
-# of the GPU's work, on the H200 machine (bench moe). Larger buckets run eagerly, where the GPU's work outlasts the
-# host's by more (DeepSeek-V3, Mixtral-8x7B at 16384 tokens: host 5-10%).
+# of the GPU's work, on the H200 machine (bench moe). Larger buckets run eagerly, where the GPU's work
+# outlasts the host's by more (DeepSeek-V3, Mixtral-8x7B at 16384 tokens: host 5-10%).
 GRAPH_MAX_BYTES = 2 << 30
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import time
 
@@ -93,9 +94,10 @@ def compare(args, dev: torch.device) -> None:
             def one():
                 return moe(inp.x_TD, weights_TK=inp.weights_TK, ids_TK=inp.ids_TK)
 
-            def cycled(i=[0]):
-                i[0] += 1
-                x = inputs[i[0] % len(inputs)]
+            sets = itertools.cycle(inputs)
+
+            def cycled():
+                x = next(sets)
                 return moe(x.x_TD, weights_TK=x.weights_TK, ids_TK=x.ids_TK)
 
             for _ in range(5):

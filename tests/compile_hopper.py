@@ -130,13 +130,13 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
               if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")
     signature = dict(
         a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
-        c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c, c_scale_ptr="*fp32", row_scale_ptr="*fp32",
+        c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c,
+        c_scale_ptr="*fp32", row_scale_ptr="*fp32",
         index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
         G_A="i32", G_C="i32")
-    meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate, fp8=fp8,
-                   pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store, has_row_scale=not gate,
-                   lanes=ws.MAX_EXPERTS,
-                   block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, group_m=cfg.group_m,
+    meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
+                   fp8=fp8, pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store,
+                   has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, group_m=cfg.group_m,
                    stages=cfg.num_stages)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
                           ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
@@ -187,8 +187,7 @@ def run_job(job) -> tuple[str, list[str]]:
         cfg = GemmConfig(**cfg)
         kernel = _ws_kernel(op, fp8, cfg, gather)
         tag = f"ws {op} {'fp8' if fp8 else 'bf16'}{' gather' if gather else ''} {describe(cfg)}"
-        tag += " tma-store" if kernel.metadata.shared > 0 and "cp.async.bulk.tensor.2d.global.shared" in kernel.asm[
-            "ptx"] else ""
+        tag += " tma-store" if "cp.async.bulk.tensor.2d.global.shared" in kernel.asm["ptx"] else ""
         serialized = wgmma_serialized(kernel)
         check_spills = True
     else:

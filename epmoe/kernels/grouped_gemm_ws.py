@@ -540,8 +540,8 @@ def _tma_ready(t: torch.Tensor) -> bool:
 def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: int, *, gate_up: bool,
               block_n: int, block_k: int, gathered: bool) -> bool:
     """Whether this kernel can run a launch (else the pointer kernel does): a Hopper GPU; A read in order,
-    or through a row index (gathered) for a gate-up whose K is a multiple of block_k; 16-bit or fp8 A and B of one dtype (fp8 x quantized
-    before); TMA-aligned rows; K > 0; at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one
+    or through a row index (gathered) for a gate-up whose K is a multiple of block_k; 16-bit or fp8 A and
+    B of one dtype (fp8 x quantized before); TMA-aligned rows; K > 0; at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one
     weight scale per column tile (gate-up: F a multiple of 128, so that the up half's scale blocks line
     up too)."""
     if (gathered and not gate_up) or not a.is_cuda or not _is_hopper(a.device.index):
@@ -562,8 +562,7 @@ def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, 
     shared memory."""
     if cfg.warp_specialize != "cooperative" or quant_out or out.element_size() != 2 or not _tma_ready(out):
         return False
-    item = torch.empty((), dtype=a_dtype).element_size()
-    stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * item
+    stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
     return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
 
 
