@@ -406,8 +406,11 @@ def test_config_table_is_valid_and_choice_is_pure():
         for rows in (1, hand_set // 4, hand_set // 2):
             want = next(cfg for bound, cfg in plain if 2 * rows <= bound).pointer_variant(1 if fp8 else 2)
             assert gemm_config("gate_up", fp8=fp8, rows_hint=rows, on_gpu=True, indexed=True) == want, rows
-        want = tuned[0][1].pointer_variant(1 if fp8 else 2)
-        assert gemm_config("gate_up", fp8=fp8, rows_hint=hand_set // 2 + 1, on_gpu=True, indexed=True) == want
+        # the indexed entries as they are: warp-specialized ones gather the rows themselves
+        for bound, cfg in tuned:
+            assert gemm_config("gate_up", fp8=fp8, rows_hint=min(bound, 10 ** 6), on_gpu=True, indexed=True) == cfg
+        assert gemm_config("gate_up", fp8=fp8, rows_hint=hand_set // 2 + 1, on_gpu=True, indexed=True) == tuned[0][1]
+    assert any(cfg.warp_specialize for _, cfg in configs._table()["gate_up_bf16_indexed"])
     wide = gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True, element_size=4)
     assert wide.block_k == gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True).block_k // 2
     with pytest.raises(ValueError, match="op must be"):
@@ -441,6 +444,9 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
     assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True) == WS
     assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
     assert gemm_config("gate_up", fp8=True, rows_hint=9, on_gpu=True, indexed=True) == WS.pointer_variant(1)
+    table["gate_up_bf16_indexed"] = [[10 ** 9, WS]]  # a tuned warp-specialized entry stays warp-specialized
+    assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True, indexed=True) == WS
+    table["gate_up_bf16_indexed"] = [[10 ** 9, configs.INTERPRETER_CONFIG]]
     wide = gemm_config("down", fp8=False, rows_hint=9, on_gpu=True, element_size=4)  # float32: pointer kernel
     assert wide.warp_specialize is None and wide.block_k == 32
     # decode sizes keep the plain table's hand-set buckets below the indexed entry's first bound

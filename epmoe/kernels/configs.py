@@ -5,8 +5,9 @@ Shape letters: R rows per expert (the host's estimate, see `rows_hint`), N outpu
 The table is data (`configs.json` beside this file), written by `python -m epmoe.bench.experts --tune`
 on the GPU and committed; nothing is tuned at call time. Each table entry lists buckets
 `[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins. Entries
-`<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index, which
-only the pointer kernel can do; without one such a launch takes the plain entry's `pointer_variant`.
+`<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index (tuned
+for it: the warp-specialized kernel's loader gathers the rows by cp.async); without one such a launch
+takes the plain entry's `pointer_variant`.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ class GemmConfig:
     pointer loads).
     warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (TMA
     loader warps, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
-    ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index, fp32, other
-    GPUs, the interpreter) run `pointer_variant()`. None: the pointer kernel. pipe_mma (fp8, warp
+    ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index with K not a
+    multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`. None: the pointer kernel. pipe_mma (fp8, warp
     specialized): two K blocks' wgmma in flight, the first promoted while the second runs.
     """
 
@@ -116,10 +117,11 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         on_gpu: False under the Triton interpreter (CPU tensors), which gets INTERPRETER_CONFIG.
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
-        indexed: the activations are read through a row index (the pointer kernel only): the table's
-            `_indexed` entry where it has one, except where twice rows_hint fits the plain entry's hand-set
-            buckets below the `_indexed` entry's first bound (then the bucket for twice rows_hint); else the
-            plain entry's `pointer_variant`.
+        indexed: the activations are read through a row index: the table's `_indexed` entry as it is
+            (the warp-specialized kernel gathers a gate-up's rows itself), except where twice rows_hint
+            fits the plain entry's hand-set buckets below the `_indexed` entry's first bound; there, and
+            where there is no `_indexed` entry, the plain entry's `pointer_variant` (for twice rows_hint
+            in the first case).
     """
     key = table_key(op, fp8)
     if not on_gpu:
@@ -139,8 +141,8 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         else:
             rows_hint *= 2
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
-    if indexed:
-        cfg = cfg.pointer_variant(1 if fp8 else element_size)
+    if indexed and buckets is not tuned:
+        cfg = cfg.pointer_variant(1 if fp8 else element_size)  # a plain entry, not tuned for gathered rows
     if not fp8 and element_size > 2:
         cfg = dataclasses.replace(cfg.pointer_variant(element_size), block_k=max(16, cfg.block_k * 2 // element_size))
     return cfg
