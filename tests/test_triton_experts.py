@@ -500,11 +500,13 @@ WS_CASES = [(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.it
 @pytest.mark.parametrize("op,fp8,cfg", WS_CASES, ids=[f"{op}-{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
                                                       for op, fp8, c in WS_CASES])
 @pytest.mark.parametrize("batched", [False, True])
-def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, monkeypatch):
+@pytest.mark.parametrize("k_blocks", [3, 17])
+def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatch):
     """The warp-specialized kernel (each tuner candidate) against the references on a Hopper GPU: empty,
-    single-row, partial-tile and multi-tile experts, both layouts, an odd number of K blocks (the paired
-    fp8 loop's padding step), the down GEMM with a per-row scale, full tiles stored by TMA and partial ones
-    from registers (candidates with `uses_tma_store`); and it really ran."""
+    single-row, partial-tile and multi-tile experts, both layouts, odd numbers of 128-deep K blocks (the
+    paired fp8 loop's padding step), few and many more than the ring's stages (the interleaved
+    consumers' ring waits at long K), the down GEMM with a per-row scale, full tiles stored by TMA and partial ones from
+    registers (candidates with `uses_tma_store`); and it really ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
     launched = []
@@ -512,7 +514,7 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, monkeypatch):
     monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
                         lambda *a, **kw: (launched.append(kw["gate_up"]), real(*a, **kw)))
     counts = [0, 1, 7, 64, 300, 129, 2, 1000]
-    L, D, F = len(counts), 384, 384  # 3 K blocks of 128 in both GEMMs
+    L, D, F = len(counts), 128 * k_blocks, 128 * k_blocks  # K blocks of 128 in both GEMMs
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     mask = valid_mask(rows, R)
