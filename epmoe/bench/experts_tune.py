@@ -70,8 +70,11 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 # checks both with triton 3.6 and the newest, and that ptxas keeps the wgmma pipelined). Two 4-warp consumers
 # hold too few registers (triton 3.6's ptxas spills) for the fp8 gate-up's 128-column h tiles (h
 # quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results.
+# The interleaved bf16 gate-up (64x128x64, 5 stages) is left out: it twice misbehaved in the tuner's checks
+# on the H200 (an unspecified launch failure at Mixtral-8x7B's shape, a wrong result at V2-Lite's: rel.
+# error 0.032), never reproduced and never understood; it won no bucket.
 WS_CANDIDATES = {
-    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("interleaved", 64, 128, 64, 5)),
+    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4),),
     ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 256, 64, 3),
                       _ws("cooperative", 128, 128, 64, 6),
                       _ws("interleaved", 128, 128, 64, 6)),
