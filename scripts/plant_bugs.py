@@ -104,6 +104,9 @@ MUTATIONS = [
     Mutation("grouped GEMM: each expert's last row masked off", "epmoe/kernels/grouped_gemm.py",
              "m_mask = offs_m < row_end", "m_mask = offs_m < row_end - 1",
              ("tests/test_experts_vs_oracle.py -k triton and fp32",)),
+    Mutation("row-index gate-ups run every tuned entry on the pointer kernel", "epmoe/kernels/configs.py",
+             "    if indexed and buckets is not tuned:", "    if indexed:",
+             ("tests/test_triton_experts.py -k config_table_is_valid or row_index_launches",)),
 ]
 
 
