@@ -37,8 +37,9 @@ class GemmConfig:
     warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (TMA
     loader warps, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
     ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index with K not a
-    multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`. None: the pointer kernel. pipe_mma (fp8, warp
-    specialized): two K blocks' wgmma in flight, the first promoted while the second runs.
+    multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`. None: the pointer
+    kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first promoted while
+    the second runs.
     """
 
     block_m: int
