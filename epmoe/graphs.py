@@ -10,8 +10,8 @@ A call allocates its output, points the bucket's address table at its x, ids, we
 (`epmoe.kernels.graph_io`: a 72-byte row of pinned host memory that the graph reads) and replays. The
 graph's first kernels fetch that row and copy the call's T rows into the bucket's static inputs (rows
 past T get ids -1: they route nowhere), its last one copies the routed output's T rows into the caller's
-output tensor, which the caller owns: the next replay does not touch it. The graphs of a layer share one `GraphPool` (replays never run at
-once): a CUDA graph memory pool for their intermediates, and one set of static inputs and address table
+output tensor, which the caller owns: the next replay does not touch it. The graphs of a layer share one
+`GraphPool` (replays never run at once): a CUDA graph memory pool for their intermediates, and one set of static inputs and address table
 per bucket. A pool may be shared by several layers' graphs (e.g. every MoE layer of a model), whose
 memory then is that of one layer's.
 """

@@ -109,7 +109,7 @@ def compare(args, dev: torch.device) -> None:
             print(f"batched, one input set   {batched_us(one, 200):7.1f} us")
             print(f"batched, input sets      {batched_us(cycled, 200):7.1f} us")
             print(f"bench time_calls median  {host_ms * 1e3:7.1f} us ({args.repeats} calls)")
-            for r in range(3):
+            for _ in range(3):
                 print(f"first calls after a sync {' '.join(f'{v:.0f}' for v in first_calls_us(cycled, 12))}")
             if quant == "bf16":
                 module = hf_peer.experts_module(shape, "epmoe", weights.w13_END, weights.w2_EDF)

@@ -136,8 +136,8 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
         G_A="i32", G_C="i32")
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
                    fp8=fp8, pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store,
-                   has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, group_m=cfg.group_m,
-                   stages=cfg.num_stages)
+                   has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
+                   block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
                           ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
                           maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)

@@ -50,8 +50,9 @@ def test_calls_read_their_own_ring_rows_and_an_abandoned_call_is_skipped(device)
     B, D, K, N = 2, 4, 1, IOTable.RING_ROWS + 3
     ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     w = torch.ones(1, K, device=dev)
-    x_BD, ids_BK, w_BK = torch.zeros(B, D, device=dev), torch.zeros(B, K, dtype=torch.int64, device=dev), torch.zeros(
-        B, K, device=dev)
+    x_BD = torch.zeros(B, D, device=dev)
+    ids_BK = torch.zeros(B, K, dtype=torch.int64, device=dev)
+    w_BK = torch.zeros(B, K, device=dev)
     outs = torch.zeros(N, 1, D, device=dev)
     xs = [torch.full((1, D), float(i), device=dev) for i in range(N)]
     for i in range(N):

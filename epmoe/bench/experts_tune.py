@@ -16,8 +16,8 @@ the committed entry first) is
    cuBLAS matmul of the same total size (bf16), or a dense torch._scaled_mm (fp8, one scale per tensor).
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
 through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the
-pointer kernel) are swept the same way over `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode, weight-bandwidth bound, at their floor) keep the
-committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
+pointer kernel) are swept the same way over `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode,
+weight-bandwidth bound, at their floor) keep the committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
 OUT/experts_tune.json (every check and time, after each point), and prints a table per point last.
 A stalled point (a kernel that never returns) ends the run after --stall-s seconds (exit code 3), with
 the JSON and a configs.json from the points timed so far.
@@ -66,8 +66,9 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 # Warp-specialized candidates per (op, fp8), the same for every bucket. Shared memory: stages of
 # (block_m + block_n (x2 gate-up)) * block_k elements within 227 KB, with the 16-bit outputs' TMA store
 # buffer where it fits beside them (`grouped_gemm_ws.uses_tma_store`: the 3-stage 128x256 down is there for
-# it); registers: the fp32 tiles a consumer thread holds (accumulators, and for fp8 the one or two block results) within 224 (tests/compile_hopper.py
-# checks both with triton 3.6 and the newest, and that ptxas keeps the wgmma pipelined). Two 4-warp consumers
+# it); registers: the fp32 tiles a consumer thread holds (accumulators, and for fp8 the one or two block
+# results) within 224 (tests/compile_hopper.py checks both with triton 3.6 and the newest, and that ptxas
+# keeps the wgmma pipelined). Two 4-warp consumers
 # hold too few registers (triton 3.6's ptxas spills) for the fp8 gate-up's 128-column h tiles (h
 # quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results.
 # The interleaved bf16 gate-up (64x128x64, 5 stages) is left out: it twice misbehaved in the tuner's checks

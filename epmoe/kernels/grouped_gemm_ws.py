@@ -541,9 +541,9 @@ def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: 
               block_n: int, block_k: int, gathered: bool) -> bool:
     """Whether this kernel can run a launch (else the pointer kernel does): a Hopper GPU; A read in order,
     or through a row index (gathered) for a gate-up whose K is a multiple of block_k; 16-bit or fp8 A and
-    B of one dtype (fp8 x quantized before); TMA-aligned rows; K > 0; at most MAX_EXPERTS local experts; fp8: 128-deep K blocks, one
-    weight scale per column tile (gate-up: F a multiple of 128, so that the up half's scale blocks line
-    up too)."""
+    B of one dtype (fp8 x quantized before); TMA-aligned rows; K > 0; at most MAX_EXPERTS local experts;
+    fp8: 128-deep K blocks, one weight scale per column tile (gate-up: F a multiple of 128, so that the up
+    half's scale blocks line up too)."""
     if (gathered and not gate_up) or not a.is_cuda or not _is_hopper(a.device.index):
         return False
     if a.dtype not in _GL_DTYPES or w.dtype != a.dtype or not (_tma_ready(a) and _tma_ready(w)):
