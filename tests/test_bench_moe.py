@@ -5,6 +5,7 @@ shape (timings there are wall times, only the plumbing is checked). The real run
 Shape letters: T tokens, D hidden size, E experts, K top-k, F intermediate size.
 """
 import json
+import statistics
 
 import pytest
 import torch
@@ -77,6 +78,25 @@ def test_kernels_are_split_by_the_window_holding_their_midpoint():
 @pytest.mark.parametrize("T, D, sets", [(1, 2048, 8), (4096, 2048, 4), (16384, 7168, 2)])
 def test_input_sets_cover_twice_the_l2(T, D, sets):
     assert moe.input_sets(T, D) == sets
+
+
+@pytest.mark.parametrize("repeats, rounds", [(1, 1), (9, 1), (10, 2), (20, 4), (50, 4)])
+def test_runs_are_timed_in_rounds_taking_them_in_turn(repeats, rounds, monkeypatch):
+    """Each run gets at least `repeats` timed calls, in rounds of at least ROUND_CALLS; each round takes
+    every run once, starting from the next one; the medians are of each run's own calls."""
+    order = []
+
+    def fake_call_times(run, inputs, n, device):
+        order.append((run, n))
+        return [float(run) + i for i in range(n)], [0.5] * n
+    monkeypatch.setattr(moe, "call_times", fake_call_times)
+    times = moe.time_in_rounds([0, 100, 200], [None], repeats, torch.device("cpu"))
+    per_round = -(-repeats // rounds)
+    assert [run for run, _ in order] == [(j + r) % 3 * 100 for r in range(rounds) for j in range(3)]
+    assert {n for _, n in order} == {per_round} and per_round * rounds >= repeats
+    expected = [statistics.median([b + i for _ in range(rounds) for i in range(per_round)])
+                for b in (0, 100, 200)]
+    assert times == [(e, 0.5) for e in expected]
 
 
 def test_markdown_table():
