@@ -107,10 +107,11 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool):
     return kernel, cfg
 
 
-def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
+def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int = 0):
     """The warp-specialized kernel for one launch config as the launcher runs it (fp8 gate-up: h quantized
-    in the epilogue for 128-column tiles, else float32 h; gather: A's rows through a row index), with the
-    most expert lanes its tile map takes (the most registers)."""
+    in the epilogue for 128-column tiles, else float32 h; gather: A's rows through a row index; pipe_blocks:
+    the pipelined fp8 loop's K blocks per iteration), with the most expert lanes its tile map takes (the
+    most registers)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -135,7 +136,7 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
         index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
         G_A="i32", G_C="i32")
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
-                   fp8=fp8, pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store,
+                   fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,
                    has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
                    block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
@@ -144,8 +145,10 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False):
 
 
 def ws_jobs() -> list:
-    """("ws", op, fp8, config, gather) of every warp-specialized launch config: the tuner's candidates and
-    the table's entries, those of gate-ups through a row index (`_indexed`) with gather."""
+    """("ws", op, fp8, config, gather, pipe_blocks) of every warp-specialized launch config: the tuner's
+    candidates and the table's entries, those of gate-ups through a row index (`_indexed`) with gather;
+    a pipelined fp8 config once per K blocks per iteration it may run with (`grouped_gemm_ws.pipe_blocks`)."""
+    from epmoe.kernels import grouped_gemm_ws as ws
     from epmoe.bench.experts_tune import INDEXED_CANDIDATES, WS_CANDIDATES
     from epmoe.kernels import configs
     out = [(op, fp8, cfg, False) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
@@ -157,7 +160,9 @@ def ws_jobs() -> list:
                 for _, cfg in configs._table()[configs.table_key(op, fp8, indexed)]:
                     if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
                         out.append((op, fp8, cfg, indexed))
-    return [("ws", op, fp8, cfg.to_dict(), gather) for op, fp8, cfg, gather in out]
+    return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
+            for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
+                      else (0, ))]
 
 
 # Table entries whose spills are measured and kept: under triton 3.6's ptxas the fp8 gate-up over rows read
@@ -183,10 +188,11 @@ def run_job(job) -> tuple[str, list[str]]:
     if job[0] == "ws":
         from epmoe.bench.experts_tune import describe
         from epmoe.kernels.configs import GemmConfig
-        _, op, fp8, cfg, gather = job
+        _, op, fp8, cfg, gather, pipe_blocks = job
         cfg = GemmConfig(**cfg)
-        kernel = _ws_kernel(op, fp8, cfg, gather)
+        kernel = _ws_kernel(op, fp8, cfg, gather, pipe_blocks)
         tag = f"ws {op} {'fp8' if fp8 else 'bf16'}{' gather' if gather else ''} {describe(cfg)}"
+        tag += f" {pipe_blocks} blocks an iteration" if pipe_blocks else ""
         tag += " tma-store" if "cp.async.bulk.tensor.2d.global.shared" in kernel.asm["ptx"] else ""
         serialized = wgmma_serialized(kernel)
         check_spills = True

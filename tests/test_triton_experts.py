@@ -500,12 +500,12 @@ WS_CASES = [(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.it
 @pytest.mark.parametrize("op,fp8,cfg", WS_CASES, ids=[f"{op}-{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
                                                       for op, fp8, c in WS_CASES])
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("k_blocks", [3, 17])
+@pytest.mark.parametrize("k_blocks", [2, 3, 7, 17])
 def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatch):
     """The warp-specialized kernel (each tuner candidate) against the references on a Hopper GPU: empty,
-    single-row, partial-tile and multi-tile experts, both layouts, odd numbers of 128-deep K blocks (the
-    paired fp8 loop's padding step), few and many more than the ring's stages (the interleaved
-    consumers' ring waits at long K), the down GEMM with a per-row scale, full tiles stored by TMA and
+    single-row, partial-tile and multi-tile experts, both layouts, numbers of 128-deep K blocks that give
+    the pipelined fp8 loop 2, 3 and 4 blocks an iteration, with and without padding steps, few and many
+    more than the ring's stages (the interleaved consumers' ring waits at long K), the down GEMM with a per-row scale, full tiles stored by TMA and
     partial ones from registers (candidates with `uses_tma_store`); and it really ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
@@ -645,6 +645,16 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, mon
         c_desc = bound["c_desc"]
         assert list(c_desc.block_shape) == [cfg.block_m, cfg.block_n] and list(c_desc.shape) == [R, N]
     assert (meta.schedule, meta.stages, meta.lanes) == (ws.SCHEDULES[cfg.warp_specialize], cfg.num_stages, 128)
+    assert meta.pipe_blocks == (ws.pipe_blocks(K // 128, op == "gate_up") if fp8 and cfg.pipe_mma else 0)
+
+
+def test_pipelined_fp8_loop_blocks_per_iteration():
+    """The down GEMM's pipelined fp8 loop takes the fewest padding steps, then the most blocks an
+    iteration; the gate-up's takes two (registers)."""
+    ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
+    down = {k: ws.pipe_blocks(k, False) for k in (1, 2, 3, 5, 6, 7, 11, 12, 16, 17, 56)}
+    assert down == {1: 2, 2: 2, 3: 3, 5: 3, 6: 3, 7: 4, 11: 4, 12: 4, 16: 4, 17: 3, 56: 4}
+    assert {ws.pipe_blocks(k, True) for k in (1, 6, 16, 17)} == {2}
 
 @pytest.mark.gpu
 def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():

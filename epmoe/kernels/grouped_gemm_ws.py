@@ -14,11 +14,12 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   so that both multiply at once and each one's CUDA-core work (the fp8 promotion) runs beside the
   other's MMAs.
 - fp8 block-128: each 128-deep K block is multiplied into a separate fp32 tile and promoted on the CUDA
-  cores, acc += tile * a_scale[row] * b_scale. With pipe_mma two K blocks' wgmma are issued before the
-  first is promoted, so that its promotion overlaps the second's MMAs; each pair is retired within its
-  loop iteration (ptxas serializes every wgmma when one stays in flight across iterations while other
-  instructions read accumulators). Without pipe_mma each block is waited for and promoted before the
-  next is issued (gate-up: the gate's MMA, then the up's, into one register tile).
+  cores, acc += tile * a_scale[row] * b_scale. With pipe_mma each K block's successor is issued before
+  the block is promoted, so that its promotion overlaps the successor's MMAs; an iteration takes 2-4
+  blocks (`pipe_blocks`) and retires them all (ptxas serializes every wgmma when one stays in flight
+  across iterations while other instructions read accumulators), so all of its promotions but the
+  last overlap MMAs. Without pipe_mma each block is waited for and promoted before the next is issued
+  (gate-up: the gate's MMA, then the up's, into one register tile).
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative schedule where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
@@ -71,6 +72,7 @@ _MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
 MAX_EXPERTS = 256
 _MIN_EXPERT_LANES = 128
 _SCALE_GROUP = gl.constexpr(FP8_BLOCK)
+PIPE_BLOCKS = (4, 3, 2)  # K blocks per iteration the pipelined fp8 down loop may take (`pipe_blocks`)
 
 # TMA tile load into shared memory, signalling an mbarrier: `async_load` in newer Tritons, which removed
 # triton 3.6's `async_copy_global_to_shared`.
@@ -99,7 +101,7 @@ class Meta:
     gather: bool  # A's rows through a row index (cp.async loads; contiguous layout, gate-up)
     gate_up: bool
     fp8: bool
-    pipe_mma: bool
+    pipe_blocks: int  # fp8 with pipe_mma: K blocks per main-loop iteration (`pipe_blocks`); else 0
     quant_out: bool  # gate-up fp8: h quantized in the epilogue (block_n == 128)
     tma_store: bool  # full tiles' outputs through shared memory and a TMA store (`uses_tma_store`)
     has_row_scale: bool
@@ -152,11 +154,11 @@ def _tile_map(index_ptr, L, SLOT_ROWS, META: gl.constexpr):
 
 @gluon.jit
 def _k_steps(K, META: gl.constexpr):
-    """Ring steps per tile: the K blocks, rounded up to pairs for the pipe_mma loop (its padding step
-    reloads the last block and weighs it zero)."""
+    """Ring steps per tile: the K blocks, rounded up to a multiple of `Meta.pipe_blocks` for the pipelined
+    fp8 loop (its padding steps reload the last block and weigh it zero)."""
     k_tiles = gl.cdiv(K, META.block_k)
-    if META.fp8 and META.pipe_mma:
-        k_tiles += k_tiles % 2
+    if META.pipe_blocks:
+        k_tiles = gl.cdiv(k_tiles, META.pipe_blocks) * META.pipe_blocks
     return k_tiles
 
 
@@ -353,45 +355,51 @@ def _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scal
 
 
 @gluon.jit
-def _mainloop_fp8_paired(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs, b_scale_at, up_scale_at,
-                         META: gl.constexpr):
-    """fp8 acc over all K blocks, two per iteration: both blocks' wgmma issued, the first's promoted while
-    the second's run, then the second's; no wgmma is left in flight across iterations."""
+def _issue_block(ring, pos, t, u, META: gl.constexpr):
+    """Issue ring position pos's block products t = A B^T (gate-up: and u = A B_up^T), not waiting."""
+    t = _issue(ring, pos, t, False, False, META)
+    if META.gate_up:
+        u = _issue(ring, pos, u, True, False, META)
+    return t, u
+
+
+@gluon.jit
+def _mainloop_fp8_pipelined(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs, b_scale_at, up_scale_at,
+                            META: gl.constexpr):
+    """fp8 acc over all K blocks, `Meta.pipe_blocks` per iteration with two blocks' wgmma in flight: each
+    block's successor is issued before it is waited for and promoted (its promotion overlaps the
+    successor's MMAs), the two block results taking turns in two register tiles; an iteration's last
+    block is promoted with nothing in flight, so that no wgmma crosses iterations."""
+    U: gl.constexpr = META.pipe_blocks
     acc = zero
     acc_up = zero
     t_a = zero
     u_a = zero
     t_b = zero
     u_b = zero
-    for kk in range(0, steps, 2):
-        pos_a = pos0 + kk * stride
-        pos_b = pos_a + stride
-        s_a = _block_scale(a_scale_ptrs, b_scale_at, kk, k_tiles)
-        s_b = _block_scale(a_scale_ptrs, b_scale_at, kk + 1, k_tiles)
-        if META.gate_up:
-            su_a = _block_scale(a_scale_ptrs, up_scale_at, kk, k_tiles)
-            su_b = _block_scale(a_scale_ptrs, up_scale_at, kk + 1, k_tiles)
-            t_a = _issue(ring, pos_a, t_a, False, False, META)
-            u_a = _issue(ring, pos_a, u_a, True, False, META)
-            t_b = _issue(ring, pos_b, t_b, False, False, META)
-            u_b = _issue(ring, pos_b, u_b, True, False, META)
-            t_a, u_a, t_b, u_b = warpgroup_mma_wait(2, deps=(t_a, u_a, t_b, u_b))
-            _release(ring, pos_a, True, META)
-            acc = _pinned(acc + t_a * s_a[:, None])
-            acc_up = _pinned(acc_up + u_a * su_a[:, None])
-            t_b, u_b = warpgroup_mma_wait(0, deps=(t_b, u_b))
-            _release(ring, pos_b, True, META)
-            acc = _pinned(acc + t_b * s_b[:, None])
-            acc_up = _pinned(acc_up + u_b * su_b[:, None])
-        else:
-            t_a = _issue(ring, pos_a, t_a, False, False, META)
-            t_b = _issue(ring, pos_b, t_b, False, False, META)
-            t_a, t_b = warpgroup_mma_wait(1, deps=(t_a, t_b))
-            _release(ring, pos_a, True, META)
-            acc = _pinned(acc + t_a * s_a[:, None])
-            t_b = warpgroup_mma_wait(0, deps=(t_b, ))
-            _release(ring, pos_b, True, META)
-            acc = _pinned(acc + t_b * s_b[:, None])
+    for kk in range(0, steps, U):
+        pos = pos0 + kk * stride
+        t_a, u_a = _issue_block(ring, pos, t_a, u_a, META)
+        for i in gl.static_range(U):
+            s = _block_scale(a_scale_ptrs, b_scale_at, kk + i, k_tiles)
+            if META.gate_up:
+                s_up = _block_scale(a_scale_ptrs, up_scale_at, kk + i, k_tiles)
+            if i + 1 < U:
+                t_b, u_b = _issue_block(ring, pos + (i + 1) * stride, t_b, u_b, META)
+                if META.gate_up:  # this block's two wgmma done, the successor's two in flight
+                    t_a, u_a, t_b, u_b = warpgroup_mma_wait(2, deps=(t_a, u_a, t_b, u_b))
+                else:
+                    t_a, t_b = warpgroup_mma_wait(1, deps=(t_a, t_b))
+            elif META.gate_up:
+                t_a, u_a = warpgroup_mma_wait(0, deps=(t_a, u_a))
+            else:
+                t_a = warpgroup_mma_wait(0, deps=(t_a, ))
+            _release(ring, pos + i * stride, True, META)
+            acc = _pinned(acc + t_a * s[:, None])
+            if META.gate_up:
+                acc_up = _pinned(acc_up + u_a * s_up[:, None])
+            t_a, t_b = t_b, t_a
+            u_a, u_b = u_b, u_a
     return acc, acc_up
 
 
@@ -441,9 +449,9 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
             b_scale_at = (b_scale_ptr + expert.to(gl.int64) * stride_bsl
                           + (pid_n * META.block_n // _SCALE_GROUP) * stride_bsn)
             up_scale_at = b_scale_at + (N // _SCALE_GROUP) * stride_bsn
-            if META.pipe_mma:
-                acc, acc_up = _mainloop_fp8_paired(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs,
-                                                   b_scale_at, up_scale_at, META)
+            if META.pipe_blocks:
+                acc, acc_up = _mainloop_fp8_pipelined(ring, pos0, stride, k_tiles, steps, zero, a_scale_ptrs,
+                                                      b_scale_at, up_scale_at, META)
             else:
                 acc, acc_up = _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scale_at,
                                                    up_scale_at, META)
@@ -566,6 +574,16 @@ def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, 
     return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
 
 
+def pipe_blocks(k_tiles: int, gate_up: bool) -> int:
+    """K blocks per iteration of the pipelined fp8 loop for k_tiles blocks of 128: the down GEMM's of 4, 3
+    and 2 the one that pads the fewest steps, the larger on a tie (the more of an iteration's promotions
+    overlap MMAs: all but its last); the gate-up's 2 (its four block results in flight leave no registers
+    for more: 3 or 4 spill, ptxas of triton 3.9)."""
+    if gate_up:
+        return 2
+    return min(PIPE_BLOCKS, key=lambda u: (-(-k_tiles // u) * u, -u))
+
+
 def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, out_scale, row_scale, *,
            gate_up: bool, cfg, programs: int, a_rows: torch.Tensor | None = None) -> None:
     """Launch the kernel for one grouped GEMM (operands checked by the caller, `supported` true).
@@ -591,7 +609,8 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
         c_desc = TensorDescriptor.from_tensor(out, c_block,
                                               gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
-                gate_up=gate_up, fp8=fp8, pipe_mma=cfg.pipe_mma, quant_out=quant_out, tma_store=tma_store,
+                gate_up=gate_up, fp8=fp8, pipe_blocks=pipe_blocks(triton.cdiv(K, cfg.block_k), gate_up)
+                if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
                 has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
                 block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
