@@ -400,16 +400,26 @@ def test_config_table_is_valid_and_choice_is_pure():
             assert gemm_config(op, fp8=fp8, rows_hint=1, on_gpu=True) == buckets[0][1]
             assert gemm_config(op, fp8=fp8, rows_hint=10 ** 12, on_gpu=True) == buckets[-1][1]
     assert gemm_config("down", fp8=False, rows_hint=64, on_gpu=False) == configs.INTERPRETER_CONFIG
-    for fp8 in (False, True):  # row-index launches: the hand-set buckets for twice the rows, the tuned entry above
+    for fp8 in (False, True):  # routed rows: the hand-set buckets for `routed_rows`, the tuned entries above
         plain, tuned = (configs._table()[configs.table_key("gate_up", fp8, indexed=i)] for i in (False, True))
         hand_set = max(bound for bound, _ in plain if bound < tuned[0][0])
-        for rows in (1, hand_set // 4, hand_set // 2):
-            want = next(cfg for bound, cfg in plain if 2 * rows <= bound).pointer_variant(1 if fp8 else 2)
+        assert hand_set == configs.HAND_SET_ROWS
+        for rows in (1, 5, 12, 16, 32, hand_set - 8, hand_set - 4, hand_set, 100, 10 ** 6):
+            wide = configs.routed_rows(rows)
+            for op in configs.OPS:  # rows in order (scattered): the plain table
+                want = gemm_config(op, fp8=fp8, rows_hint=wide if wide <= hand_set else rows, on_gpu=True)
+                assert gemm_config(op, fp8=fp8, rows_hint=rows, on_gpu=True, scattered=True) == want, (op, rows)
+            # through a row index: the pointer variant of the plain entry, or the indexed entry as it is (the
+            # warp-specialized ones gather the rows themselves)
+            want = (next(cfg for bound, cfg in plain if wide <= bound).pointer_variant(1 if fp8 else 2)
+                    if wide <= hand_set else next((cfg for bound, cfg in tuned if rows <= bound), tuned[-1][1]))
             assert gemm_config("gate_up", fp8=fp8, rows_hint=rows, on_gpu=True, indexed=True) == want, rows
-        # the indexed entries as they are: warp-specialized ones gather the rows themselves
         for bound, cfg in tuned:
             assert gemm_config("gate_up", fp8=fp8, rows_hint=min(bound, 10 ** 6), on_gpu=True, indexed=True) == cfg
-        assert gemm_config("gate_up", fp8=fp8, rows_hint=hand_set // 2 + 1, on_gpu=True, indexed=True) == tuned[0][1]
+        for op in configs.OPS:
+            assert gemm_config(op, fp8=fp8, rows_hint=16, on_gpu=True, scattered=True) != configs._table()[
+                configs.table_key(op, fp8)][0][1]
+    assert [configs.routed_rows(m) for m in (0, 1, 12, 16, 24, 32, 60)] == [1, 2, 16, 20, 29, 38, 68]
     assert any(cfg.warp_specialize for _, cfg in configs._table()["gate_up_bf16_indexed"])
     wide = gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True, element_size=4)
     assert wide.block_k == gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True).block_k // 2
@@ -420,6 +430,22 @@ def test_config_table_is_valid_and_choice_is_pure():
 
 
 WS = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5, warp_specialize="interleaved")
+
+
+def test_routed_rows_in_order_take_the_scattered_launch_config(monkeypatch):
+    """gate_up and down ask `gemm_config` for the scattered rows' config where the contiguous layout's mean
+    is the hint (routed rows), not for the batched layout or a hint the caller gives."""
+    asked = []
+    real = grouped_gemm.gemm_config
+    monkeypatch.setattr(grouped_gemm, "gemm_config", lambda op, **kw: (asked.append((op, kw["scattered"])),
+                                                                        real(op, **kw))[1])
+    w13, w2 = weights(2, 32, 16)
+    for batched, hint in ((False, None), (True, None), (False, 4)):
+        rows, R = make_rows([3, 5], batched)
+        h, _ = gate_up(torch.randn(R, 32, device=DEVICE), w13, rows, rows_hint=hint)
+        down(h, w2, rows, rows_hint=hint)
+    scattered = [(False, None), (True, None), (False, 4)]
+    assert asked == [(op, not b and h is None) for b, h in scattered for op in ("gate_up", "down")]
 
 
 def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():

@@ -14,11 +14,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("configs.json")
 OPS = ("gate_up", "down")
+# The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
+# tuner's above; every `_indexed` entry starts above it.
+HAND_SET_ROWS = 64
 # Schedules of the warp-specialized kernel (epmoe/kernels/grouped_gemm_ws.py): one consumer of 8 warps,
 # or two of 4 warps taking K blocks of two tiles at once (interleaved).
 WS_SCHEDULES = ("cooperative", "interleaved")
@@ -107,8 +111,17 @@ def _table(path: Path = TABLE_PATH) -> dict[str, list[tuple[int, GemmConfig]]]:
     return {key: [(bound, GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw["tables"].items()}
 
 
+def routed_rows(mean: int) -> int:
+    """Rows per expert a launch config is chosen for where routed counts scatter around `mean` (the
+    contiguous layout): one standard deviation of a Poisson count above it, mean + ceil(sqrt(mean)).
+    One H200, `epmoe bench moe` against the bucket for the mean (down) and for twice the mean (gate-up
+    through a row index): 1.02-1.18x at 9 of 11 decode-sized points of Qwen3-30B-A3B, DeepSeek-V2-Lite
+    and Mixtral-8x7B, 0.95x at V2-Lite fp8 256 tokens (BENCHMARKS.md, "What we tried: the one-GPU block")."""
+    return mean + math.isqrt(max(mean - 1, 0)) + 1
+
+
 def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_size: int = 2,
-                indexed: bool = False) -> GemmConfig:
+                indexed: bool = False, scattered: bool = False) -> GemmConfig:
     """The launch configuration for one grouped GEMM.
 
     Args:
@@ -118,11 +131,13 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         on_gpu: False under the Triton interpreter (CPU tensors), which gets INTERPRETER_CONFIG.
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
-        indexed: the activations are read through a row index: the table's `_indexed` entry as it is
-            (the warp-specialized kernel gathers a gate-up's rows itself), except where twice rows_hint
-            fits the plain entry's hand-set buckets below the `_indexed` entry's first bound; there, and
-            where there is no `_indexed` entry, the plain entry's `pointer_variant` (for twice rows_hint
-            in the first case).
+        indexed: the activations are read through a row index (routed rows, scattered too): the table's
+            `_indexed` entry as it is (the warp-specialized kernel gathers a gate-up's rows itself), except
+            where the hand-set buckets are taken (scattered): there, and where there is no `_indexed`
+            entry, the plain entry's `pointer_variant`.
+        scattered: the experts' row counts scatter around rows_hint (routed rows, contiguous layout):
+            where `routed_rows(rows_hint)` fits the table's hand-set buckets (those up to HAND_SET_ROWS), its
+            bucket.
     """
     key = table_key(op, fp8)
     if not on_gpu:
@@ -130,17 +145,14 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
     table = _table()
     buckets = table[key]
     tuned = table.get(table_key(op, fp8, indexed=True)) if indexed else None
-    if tuned is not None:
-        # Where twice the mean fits the plain table's hand-set decode buckets (those below the `_indexed`
-        # entry's first bound), the bucket for twice the mean: routed rows scatter around it, and an expert
-        # with more rows than the tile has is a second pass over its weights; above, the `_indexed` entry
-        # (one H200: DeepSeek-V3 at 32 rows per expert, 8.0 ms with 32-row tiles against 7.5 ms with 128;
-        # Qwen3-30B-A3B at 64, 479 against 432 µs)
-        hand_set = max((bound for bound, _ in buckets if bound < tuned[0][0]), default=0)
-        if 2 * rows_hint > hand_set:
+    if indexed or scattered:
+        # Routed rows at decode sizes: the hand-set bucket for `routed_rows` (an expert with more rows than
+        # its tile has is a second pass over its weights); above, the table's entry for the mean
+        wide = routed_rows(rows_hint)
+        if wide <= max((bound for bound, _ in buckets if bound <= HAND_SET_ROWS), default=0):
+            rows_hint = wide
+        elif tuned is not None:
             buckets = tuned
-        else:
-            rows_hint *= 2
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
     if indexed and buckets is not tuned:
         cfg = cfg.pointer_variant(1 if fp8 else element_size)  # a plain entry, not tuned for gathered rows

@@ -377,7 +377,9 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
         x_rows_R: contiguous layout only, optional int32 [R] with values in [0, S): row i of the batch is
             x_RD[x_rows_R[i]], read through the index inside the kernel (no permuted copy). With fp8
             weights and unquantized x, all S source rows are quantized first.
-        rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`).
+        rows_hint: expected rows per expert, for the launch configuration (default `rows.rows_hint`; the
+            contiguous layout's mean is taken for routed rows, which scatter around it: `gemm_config`'s
+            `scattered`).
         config: launch configuration (default: `gemm_config` for these shapes).
 
     Returns:
@@ -398,7 +400,8 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
         R = x_rows_R.shape[0]
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
     cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
-                                element_size=x_RD.element_size(), indexed=x_rows_R is not None)
+                                element_size=x_RD.element_size(), indexed=x_rows_R is not None,
+                                scattered=rows_hint is None and not rows.batched)
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
     # bf16 x with fp8 weights: quantized inside the pointer kernel for the batched layout (with 128-deep
     # K blocks), else first (the warp-specialized kernel takes fp8 x only).
@@ -444,7 +447,7 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
                          f"{tuple(row_scale_R.shape)}")
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
     cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda,
-                                element_size=h_RF.element_size())
+                                element_size=h_RF.element_size(), scattered=rows_hint is None and not rows.batched)
     y = torch.empty(R, w2_LDF.shape[1], dtype=out_dtype, device=h_RF.device)
     _launch(h_RF.contiguous(), h_scale_RG, w2_LDF.contiguous(), w2_scale, rows, y, None,
             None if row_scale_R is None else row_scale_R.contiguous(), gate_up=False, cfg=cfg)
