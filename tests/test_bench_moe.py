@@ -80,23 +80,31 @@ def test_input_sets_cover_twice_the_l2(T, D, sets):
     assert moe.input_sets(T, D) == sets
 
 
-@pytest.mark.parametrize("repeats, rounds", [(1, 1), (9, 1), (10, 2), (20, 4), (50, 4)])
-def test_runs_are_timed_in_rounds_taking_them_in_turn(repeats, rounds, monkeypatch):
-    """Each run gets at least `repeats` timed calls, in rounds of at least ROUND_CALLS; each round takes
-    every run once, starting from the next one; the medians are of each run's own calls."""
-    order = []
+@pytest.mark.parametrize("repeats, sets", [(1, 1), (3, 2), (10, 8)])
+def test_runs_are_timed_in_turns_call_by_call(repeats, sets, monkeypatch):
+    """After WARMUP_CALLS of each, turn i takes every run once, starting from run i mod 3; consecutive
+    calls read different input sets; the medians are of each run's own calls (CPU: wall times, here
+    from a clock that each run advances by its own cost)."""
+    clock = [0.0]
+    calls = []
 
-    def fake_call_times(run, inputs, n, device):
-        order.append((run, n))
-        return [float(run) + i for i in range(n)], [0.5] * n
-    monkeypatch.setattr(moe, "call_times", fake_call_times)
-    times = moe.time_in_rounds([0, 100, 200], [None], repeats, torch.device("cpu"))
-    per_round = -(-repeats // rounds)
-    assert [run for run, _ in order] == [(j + r) % 3 * 100 for r in range(rounds) for j in range(3)]
-    assert {n for _, n in order} == {per_round} and per_round * rounds >= repeats
-    expected = [statistics.median([b + i for _ in range(rounds) for i in range(per_round)])
-                for b in (0, 100, 200)]
-    assert times == [(e, 0.5) for e in expected]
+    def make_run(r, cost_s):
+        def run(inp):
+            calls.append((r, inp))
+            clock[0] += cost_s * (1 + inp)  # a call on input set s costs (1 + s) x the run's cost
+        return run
+    monkeypatch.setattr(moe.time, "perf_counter", lambda: clock[0])
+    runs = [make_run(r, cost) for r, cost in enumerate((1e-3, 2e-3, 5e-3))]
+    times = moe.time_in_turns(runs, list(range(sets)), repeats, torch.device("cpu"))
+    warm = moe.WARMUP_CALLS * 3
+    assert [r for r, _ in calls[:warm]] == [r for r in range(3) for _ in range(moe.WARMUP_CALLS)]
+    timed = calls[warm:]
+    assert [r for r, _ in timed] == [(i + j) % 3 for i in range(repeats) for j in range(3)]
+    assert [inp for _, inp in timed] == [c % sets for c in range(3 * repeats)]
+    for r, cost in enumerate((1.0, 2.0, 5.0)):
+        own = [cost * (1 + c % sets) for c, (run, _) in enumerate(timed) if run == r]
+        assert len(own) == repeats
+        assert times[r] == (pytest.approx(statistics.median(own)), pytest.approx(statistics.median(own)))
 
 
 def test_markdown_table():

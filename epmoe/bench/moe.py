@@ -17,11 +17,11 @@ Weights: one set per shape, made on the GPU from --seed, quantized to fp8_block 
 the bf16 weights set to the dequantized values, so that bf16 and fp8 rows compute the same function.
 
 Per point and implementation:
-  GPU us     median over --repeats back-to-back calls (no sync between them, after warm-up) of the
-             CUDA-event interval between the ends of consecutive calls; the calls cycle through input
-             sets (distinct x and routing) larger together than twice the L2 cache, and are timed in
-             up to MAX_ROUNDS rounds of at least ROUND_CALLS calls that take the implementations in
-             turn (the same code measures alike at one point, whatever the GPU's clocks do over it)
+  GPU us     median over --repeats calls of the CUDA-event interval between the end of the call
+             before and its own: every implementation's calls are queued back to back with no sync
+             between them (after warm-up), the implementations taking turns call by call (so the same
+             code measures alike at one point, whatever the GPU's clocks do over it); consecutive calls
+             read different input sets (distinct x and routing), larger together than twice the L2
   host us    median over the same calls of perf_counter around each one (the CUDA event's record
              outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
@@ -82,8 +82,6 @@ QUANTS = ("bf16", "fp8_block")
 EPMOE_EXPERTS = ("auto", "triton", "grouped_mm")
 EAGER_MAX_TOKENS = 256
 WARMUP_CALLS = 2
-ROUND_CALLS = 5  # the fewest timed calls of one run in a round (`time_in_rounds`)
-MAX_ROUNDS = 4
 PROFILE_CALLS = 2
 L2_BYTES = 60e6  # an H200's L2 (BENCHMARKS.md, machines)
 MAX_INPUT_SETS = 8
@@ -237,56 +235,45 @@ def peer_impls(modules: dict[str, torch.nn.Module], T: int) -> list[Impl]:
     return impls
 
 
-def call_times(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], repeats: int,
-               device: torch.device) -> tuple[list[float], list[float]]:
-    """(GPU ms, host ms) of each of `repeats` back-to-back calls after WARMUP_CALLS, as the module
-    docstring says; on a CPU both are the wall time of each call."""
+def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequence[Inputs], repeats: int,
+                  device: torch.device) -> list[tuple[float, float]]:
+    """(GPU ms, host ms) per call of each of `runs`: the medians over `repeats` calls of each, after
+    WARMUP_CALLS of each. The runs take turns call by call (turn i starts with run i mod len(runs)), all
+    queued back to back with no sync between them, call c on input set c mod len(inputs) (consecutive
+    calls read different sets), a CUDA event after each call: a call's GPU time is the interval from the
+    previous call's end to its own, so a drift of the GPU's clocks over the point reaches every run
+    alike. On a CPU both times are each call's wall time."""
     n = len(inputs)
-    for i in range(WARMUP_CALLS):
-        run(inputs[i % n])
-    sync(device)
-    if device.type != "cuda":
-        times = []
-        for i in range(repeats):
-            t0 = time.perf_counter()
+    for run in runs:
+        for i in range(WARMUP_CALLS):
             run(inputs[i % n])
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times, times
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    host = []
-    marks[0].record()
-    for i in range(repeats):
+    sync(device)
+    order = [(i + j) % len(runs) for i in range(repeats) for j in range(len(runs))]
+    host: list[list[float]] = [[] for _ in runs]
+    on_gpu = device.type == "cuda"
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)] if on_gpu else []
+    if on_gpu:
+        marks[0].record()
+    for c, r in enumerate(order):
         t0 = time.perf_counter()
-        run(inputs[i % n])
-        host.append((time.perf_counter() - t0) * 1e3)
-        marks[i + 1].record()
-    torch.cuda.synchronize(device)
-    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], host
+        runs[r](inputs[c % n])
+        host[r].append((time.perf_counter() - t0) * 1e3)
+        if on_gpu:
+            marks[c + 1].record()
+    sync(device)
+    gpu: list[list[float]] = [[] for _ in runs]
+    if on_gpu:
+        for c, r in enumerate(order):
+            gpu[r].append(marks[c].elapsed_time(marks[c + 1]))
+    else:
+        gpu = host
+    return [(statistics.median(g), statistics.median(h)) for g, h in zip(gpu, host)]
 
 
 def time_calls(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], repeats: int,
                device: torch.device) -> tuple[float, float]:
-    """(GPU ms, host ms) per call: the medians of `call_times`."""
-    gpu, host = call_times(run, inputs, repeats, device)
-    return statistics.median(gpu), statistics.median(host)
-
-
-def time_in_rounds(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequence[Inputs], repeats: int,
-                   device: torch.device) -> list[tuple[float, float]]:
-    """(GPU ms, host ms) per call of each of `runs`: the medians over `repeats` calls of each, timed in
-    rounds of at least ROUND_CALLS calls that take the runs in turn (a run starting each round in turn),
-    so that a drift of the GPU's clocks over the point reaches every run alike."""
-    rounds = max(1, min(MAX_ROUNDS, repeats // ROUND_CALLS))
-    per_round = -(-repeats // rounds)
-    gpu: list[list[float]] = [[] for _ in runs]
-    host: list[list[float]] = [[] for _ in runs]
-    for r in range(rounds):
-        for j in range(len(runs)):
-            i = (j + r) % len(runs)
-            g, h = call_times(runs[i], inputs, per_round, device)
-            gpu[i] += g
-            host[i] += h
-    return [(statistics.median(g), statistics.median(h)) for g, h in zip(gpu, host)]
+    """(GPU ms, host ms) per call of one run: `time_in_turns` of it alone."""
+    return time_in_turns([run], inputs, repeats, device)[0]
 
 
 def gemm_shares(impls: Sequence[Impl], inputs: Sequence[Inputs], device: torch.device) -> dict[str, float]:
@@ -340,7 +327,7 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         first_s = time.perf_counter() - t0
         checked.append((impl, rel_error(out_TD, ref_TD), first_s))
         del out_TD
-    times = time_in_rounds([impl.run for impl, *_ in checked], inputs, repeats, device)
+    times = time_in_turns([impl.run for impl, *_ in checked], inputs, repeats, device)
     measured = [(impl, gpu_ms, host_ms, err, first_s)
                 for (impl, err, first_s), (gpu_ms, host_ms) in zip(checked, times)]
     shares = gemm_shares([m[0] for m in measured], inputs, device) if device.type == "cuda" else {}
