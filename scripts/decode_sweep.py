@@ -1,0 +1,122 @@
+"""Launch configs of the decode-sized grouped GEMMs (the hand-set buckets, up to HAND_SET_ROWS rows per
+expert) swept on routed rows, as `local` hands them over: one GPU, bf16, T tokens of a random router
+sorted by the layout engine; the gate-up reads x through the batch's row index, the down applies the
+top-k weights in its epilogue.
+
+    python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--out DIR]
+
+Per point (shape:T) and op, each candidate is checked against the table's config (the same output
+within bf16 rounding) and timed (CUDA events, median of --iters calls after 3 warm-ups, the weights
+far larger than L2); prints the table's time, the best candidate's and the floor (the hit experts'
+weight bytes at 4.16 TB/s), and writes decode_sweep.json into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from epmoe.bench.moe import SHAPES
+from epmoe.kernels.configs import GemmConfig, gemm_config
+from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
+from epmoe.kernels.layout import sort_pairs
+
+COPY_BYTES_PER_S = 4.16e12
+SMEM_BYTES = 200 * 1024
+
+
+def _time_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    marks[0].record()
+    for i in range(iters):
+        fn()
+        marks[i + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(marks, marks[1:]))
+
+
+def candidates(block_m: int, gate: bool) -> list[GemmConfig]:
+    out = []
+    for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 6)):
+        stage = (block_m + (2 if gate else 1) * bn) * bk * 2
+        if stage * stages > SMEM_BYTES:
+            continue
+        out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--points", nargs="+", default=["qwen3-30b-a3b:256", "deepseek-v2-lite:256", "qwen3-30b-a3b:128",
+                                                    "deepseek-v3:256"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(dev).manual_seed(0)
+    results = []
+    for point in args.points:
+        name, T = point.split(":")
+        shape, T = SHAPES[name], int(T)
+        E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+        w13 = (torch.randn(E, 2 * F, D, device=dev, generator=g) * D ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(E, D, F, device=dev, generator=g) * F ** -0.5).to(torch.bfloat16)
+        x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+        top, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
+        lay = sort_pairs(ids, E, weights_PK=top / top.sum(-1, keepdim=True))
+        rows = ExpertRows.contiguous(lay.offsets_L1)
+        hit = int((lay.counts_L > 0).sum())
+        counts = lay.counts_L.tolist()
+        h_ref, _ = gate_up(x, w13, rows, x_rows_R=lay.rows_N)
+        y_ref = down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16)
+        mean = -(-T * K // E)
+        ops = {
+            "gate_up": (lambda cfg: gate_up(x, w13, rows, x_rows_R=lay.rows_N, config=cfg)[0], h_ref,
+                        hit * 2 * F * D * 2, gemm_config("gate_up", fp8=False, rows_hint=mean, on_gpu=True,
+                                                         indexed=True, scattered=True)),
+            "down": (lambda cfg: down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16,
+                                      config=cfg), y_ref, hit * D * F * 2,
+                     gemm_config("down", fp8=False, rows_hint=mean, on_gpu=True, scattered=True)),
+        }
+        for op, (run, ref, weight_bytes, table_cfg) in ops.items():
+            floor_us = weight_bytes / COPY_BYTES_PER_S * 1e6
+            table_us = _time_us(lambda: run(None), args.iters)
+            timed = []
+            for cfg in candidates(table_cfg.block_m, op == "gate_up"):
+                try:
+                    out = run(cfg)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a candidate the compiler or the GPU refuses
+                    print(f"  {op} {cfg.to_dict()} failed: {type(exc).__name__}", flush=True)
+                    continue
+                valid = torch.cat([torch.arange(a, b, device=dev) for a, b in zip(lay.offsets_L1[:-1].tolist(),
+                                                                                   lay.offsets_L1[1:].tolist())])
+                err = ((out[valid].float() - ref[valid].float()).norm() / ref[valid].float().norm()).item()
+                if err > 1e-2:
+                    print(f"  {op} {cfg.to_dict()} wrong: rel err {err:.3g}", flush=True)
+                    continue
+                timed.append((_time_us(lambda c=cfg: run(c), args.iters), cfg))
+            timed.sort(key=lambda t: t[0])
+            best_us, best = timed[0]
+            print(f"{name} T={T} {op}: rows/expert max {max(counts)} mean {T * K / E:.1f}; table "
+                  f"{table_us:.1f} us ({100 * floor_us / table_us:.0f}% floor) {table_cfg.to_dict()}; best "
+                  f"{best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}", flush=True)
+            for us, cfg in timed[1:5]:
+                print(f"    {us:.1f} us {cfg.to_dict()}")
+            results.append({"shape": name, "T": T, "op": op, "floor_us": floor_us, "table_us": table_us,
+                            "table": table_cfg.to_dict(),
+                            "timed": [{"us": us, "config": cfg.to_dict()} for us, cfg in timed]})
+        del w13, w2
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "decode_sweep.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
