@@ -1,7 +1,8 @@
-"""Launch configs of the decode-sized grouped GEMMs (the hand-set buckets, up to HAND_SET_ROWS rows per
-expert) swept on routed rows, as `local` hands them over: one GPU, bf16, T tokens of a random router
-sorted by the layout engine; the gate-up reads x through the batch's row index, the down applies the
-top-k weights in its epilogue.
+"""Launch configs of the weight-bound grouped GEMMs (decode sizes: the hand-set buckets, up to HAND_SET_ROWS
+rows per expert, and the 128-row bucket) swept on routed rows, as `local` hands them over: one GPU, bf16,
+T tokens of a random router sorted by the layout engine; the gate-up reads x through the batch's row
+index, the down applies the top-k weights in its epilogue. Candidates: pointer-kernel tiles with the
+table config's block_m (so that an expert's rows take as many row tiles as with the table's).
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--out DIR]
 
@@ -54,7 +55,8 @@ def candidates(block_m: int, gate: bool) -> list[GemmConfig]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", nargs="+", default=["qwen3-30b-a3b:256", "deepseek-v2-lite:256", "qwen3-30b-a3b:128",
-                                                    "deepseek-v3:256"])
+                                                    "deepseek-v3:256", "qwen3-30b-a3b:1024", "deepseek-v2-lite:1024",
+                                                    "mixtral-8x7b:128", "deepseek-v3:1024"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()

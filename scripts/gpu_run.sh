@@ -9,9 +9,10 @@
 #   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
-#   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384)
+#   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
+#   decode (scripts/decode_sweep.py: the sweep behind the table's decode-sized bf16 buckets)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile and host). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# profile, hfprofile, host and decode). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -81,6 +82,7 @@ stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$O
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
 stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
+stage decode   "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --out "$OUT"
 stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {
