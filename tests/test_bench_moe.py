@@ -81,10 +81,10 @@ def test_input_sets_cover_twice_the_l2(T, D, sets):
 
 
 @pytest.mark.parametrize("repeats, sets", [(1, 1), (3, 2), (10, 8)])
-def test_runs_are_timed_in_turns_call_by_call(repeats, sets, monkeypatch):
-    """After WARMUP_CALLS of each, turn i takes every run once, starting from run i mod 3; consecutive
-    calls read different input sets; the medians are of each run's own calls (CPU: wall times, here
-    from a clock that each run advances by its own cost)."""
+def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, monkeypatch):
+    """After WARMUP_CALLS of each, round r takes every run in turn from run r mod 3, each a lead-in call
+    and ROUND_CALLS timed ones; consecutive calls read different input sets; the medians are of each
+    run's own timed calls (CPU: wall times, here from a clock that each call advances by its cost)."""
     clock = [0.0]
     calls = []
 
@@ -94,16 +94,20 @@ def test_runs_are_timed_in_turns_call_by_call(repeats, sets, monkeypatch):
             clock[0] += cost_s * (1 + inp)  # a call on input set s costs (1 + s) x the run's cost
         return run
     monkeypatch.setattr(moe.time, "perf_counter", lambda: clock[0])
-    runs = [make_run(r, cost) for r, cost in enumerate((1e-3, 2e-3, 5e-3))]
+    costs = (1.0, 2.0, 5.0)
+    runs = [make_run(r, cost / 1e3) for r, cost in enumerate(costs)]
     times = moe.time_in_turns(runs, list(range(sets)), repeats, torch.device("cpu"))
     warm = moe.WARMUP_CALLS * 3
     assert [r for r, _ in calls[:warm]] == [r for r in range(3) for _ in range(moe.WARMUP_CALLS)]
-    timed = calls[warm:]
-    assert [r for r, _ in timed] == [(i + j) % 3 for i in range(repeats) for j in range(3)]
-    assert [inp for _, inp in timed] == [c % sets for c in range(3 * repeats)]
-    for r, cost in enumerate((1.0, 2.0, 5.0)):
-        own = [cost * (1 + c % sets) for c, (run, _) in enumerate(timed) if run == r]
-        assert len(own) == repeats
+    timed_calls = calls[warm:]
+    per_round = 1 + moe.ROUND_CALLS
+    rounds = -(-repeats // moe.ROUND_CALLS)
+    assert [r for r, _ in timed_calls] == [(j + k) % 3 for k in range(rounds) for j in range(3)
+                                            for _ in range(per_round)]
+    assert [inp for _, inp in timed_calls] == [c % sets for c in range(len(timed_calls))]
+    for r, cost in enumerate(costs):
+        own = [cost * (1 + c % sets) for c, (run, _) in enumerate(timed_calls) if run == r and c % per_round]
+        assert len(own) == rounds * moe.ROUND_CALLS >= repeats
         assert times[r] == (pytest.approx(statistics.median(own)), pytest.approx(statistics.median(own)))
 
 

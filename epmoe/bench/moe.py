@@ -18,10 +18,11 @@ the bf16 weights set to the dequantized values, so that bf16 and fp8 rows comput
 
 Per point and implementation:
   GPU us     median over --repeats calls of the CUDA-event interval between the end of the call
-             before and its own: every implementation's calls are queued back to back with no sync
-             between them (after warm-up), the implementations taking turns call by call (so the same
-             code measures alike at one point, whatever the GPU's clocks do over it); consecutive calls
-             read different input sets (distinct x and routing), larger together than twice the L2
+             before, of the same implementation, and its own: every call is queued back to back with no
+             sync between them (after warm-up), the implementations taking turns in short rounds of a
+             lead-in call and ROUND_CALLS timed ones (so the same code measures alike at one point,
+             whatever the GPU's clocks do over it); consecutive calls read different input sets
+             (distinct x and routing), larger together than twice the L2
   host us    median over the same calls of perf_counter around each one (the CUDA event's record
              outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
@@ -82,6 +83,7 @@ QUANTS = ("bf16", "fp8_block")
 EPMOE_EXPERTS = ("auto", "triton", "grouped_mm")
 EAGER_MAX_TOKENS = 256
 WARMUP_CALLS = 2
+ROUND_CALLS = 2  # timed calls of one run after its lead-in call, in a round of `time_in_turns`
 PROFILE_CALLS = 2
 L2_BYTES = 60e6  # an H200's L2 (BENCHMARKS.md, machines)
 MAX_INPUT_SETS = 8
@@ -237,37 +239,42 @@ def peer_impls(modules: dict[str, torch.nn.Module], T: int) -> list[Impl]:
 
 def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequence[Inputs], repeats: int,
                   device: torch.device) -> list[tuple[float, float]]:
-    """(GPU ms, host ms) per call of each of `runs`: the medians over `repeats` calls of each, after
-    WARMUP_CALLS of each. The runs take turns call by call (turn i starts with run i mod len(runs)), all
-    queued back to back with no sync between them, call c on input set c mod len(inputs) (consecutive
-    calls read different sets), a CUDA event after each call: a call's GPU time is the interval from the
-    previous call's end to its own, so a drift of the GPU's clocks over the point reaches every run
-    alike. On a CPU both times are each call's wall time."""
+    """(GPU ms, host ms) per call of each of `runs`: the medians over at least `repeats` timed calls of
+    each, after WARMUP_CALLS of each. The runs take turns in short rounds (round r starts with run
+    r mod len(runs)): a lead-in call, untimed, then ROUND_CALLS timed calls, all queued back to back with
+    no sync between them, call c on input set c mod len(inputs) (consecutive calls read different sets),
+    a CUDA event after each call. A timed call's GPU time is the interval from the end of the call
+    before it, of the same run, to its own end: what the call costs when the host keeps up (else the
+    host's pace), whatever the run before the lead-in left the GPU doing; and a drift of the GPU's clocks
+    over the point reaches every run alike. On a CPU both times are each call's wall time."""
     n = len(inputs)
     for run in runs:
         for i in range(WARMUP_CALLS):
             run(inputs[i % n])
     sync(device)
-    order = [(i + j) % len(runs) for i in range(repeats) for j in range(len(runs))]
-    host: list[list[float]] = [[] for _ in runs]
+    order: list[tuple[int, bool]] = []  # (run, timed)
+    for r in range(-(-repeats // ROUND_CALLS)):
+        for j in range(len(runs)):
+            i = (j + r) % len(runs)
+            order += [(i, False)] + [(i, True)] * ROUND_CALLS
     on_gpu = device.type == "cuda"
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)] if on_gpu else []
+    host_all = []
     if on_gpu:
         marks[0].record()
-    for c, r in enumerate(order):
+    for c, (r, _) in enumerate(order):
         t0 = time.perf_counter()
         runs[r](inputs[c % n])
-        host[r].append((time.perf_counter() - t0) * 1e3)
+        host_all.append((time.perf_counter() - t0) * 1e3)
         if on_gpu:
             marks[c + 1].record()
     sync(device)
-    gpu: list[list[float]] = [[] for _ in runs]
-    if on_gpu:
-        for c, r in enumerate(order):
-            gpu[r].append(marks[c].elapsed_time(marks[c + 1]))
-    else:
-        gpu = host
-    return [(statistics.median(g), statistics.median(h)) for g, h in zip(gpu, host)]
+    gpu_all = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])] if on_gpu else host_all
+    times = []
+    for i in range(len(runs)):
+        timed = [c for c, (r, t) in enumerate(order) if r == i and t]
+        times.append((statistics.median(gpu_all[c] for c in timed), statistics.median(host_all[c] for c in timed)))
+    return times
 
 
 def time_calls(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], repeats: int,
