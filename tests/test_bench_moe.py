@@ -4,6 +4,7 @@ shape (timings there are wall times, only the plumbing is checked). The real run
 
 Shape letters: T tokens, D hidden size, E experts, K top-k, F intermediate size.
 """
+import collections
 import json
 import statistics
 
@@ -80,11 +81,22 @@ def test_input_sets_cover_twice_the_l2(T, D, sets):
     assert moe.input_sets(T, D) == sets
 
 
+@pytest.mark.parametrize("runs", [1, 2, 3, 4, 5, 6])
+def test_turn_orders_let_every_run_follow_every_other_equally_often(runs):
+    orders = moe.turn_orders(runs)
+    assert len(orders) == (runs if runs % 2 == 0 else 2 * runs)
+    assert all(sorted(order) == list(range(runs)) for order in orders)
+    follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(follows) == {(a, b) for a in range(runs) for b in range(runs) if a != b}
+    assert len(set(follows.values())) <= 1
+
+
 @pytest.mark.parametrize("repeats, sets", [(1, 1), (3, 2), (10, 8)])
 def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, monkeypatch):
-    """After WARMUP_CALLS of each, round r takes every run in turn from run r mod 3, each a lead-in call
-    and ROUND_CALLS timed ones; consecutive calls read different input sets; the medians are of each
-    run's own timed calls (CPU: wall times, here from a clock that each call advances by its cost)."""
+    """After WARMUP_CALLS of each, each round takes every run in turn in the next of `turn_orders`, each a
+    lead-in call and ROUND_CALLS timed ones, over whole sets of the orders; consecutive calls read
+    different input sets; the medians are of each run's own timed calls (CPU: wall times, here from a
+    clock that each call advances by its cost)."""
     clock = [0.0]
     calls = []
 
@@ -101,8 +113,9 @@ def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, m
     assert [r for r, _ in calls[:warm]] == [r for r in range(3) for _ in range(moe.WARMUP_CALLS)]
     timed_calls = calls[warm:]
     per_round = 1 + moe.ROUND_CALLS
-    rounds = -(-repeats // moe.ROUND_CALLS)
-    assert [r for r, _ in timed_calls] == [(j + k) % 3 for k in range(rounds) for j in range(3)
+    orders = moe.turn_orders(3)
+    rounds = len(orders) * -(-repeats // (moe.ROUND_CALLS * len(orders)))
+    assert [r for r, _ in timed_calls] == [i for k in range(rounds) for i in orders[k % len(orders)]
                                             for _ in range(per_round)]
     assert [inp for _, inp in timed_calls] == [c % sets for c in range(len(timed_calls))]
     for r, cost in enumerate(costs):

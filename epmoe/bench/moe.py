@@ -17,11 +17,12 @@ Weights: one set per shape, made on the GPU from --seed, quantized to fp8_block 
 the bf16 weights set to the dequantized values, so that bf16 and fp8 rows compute the same function.
 
 Per point and implementation:
-  GPU us     median over --repeats calls of the CUDA-event interval between the end of the call
+  GPU us     median over >= --repeats calls of the CUDA-event interval between the end of the call
              before, of the same implementation, and its own: every call is queued back to back with no
              sync between them (after warm-up), the implementations taking turns in short rounds of a
-             lead-in call and ROUND_CALLS timed ones (so the same code measures alike at one point,
-             whatever the GPU's clocks do over it); consecutive calls read different input sets
+             lead-in call and ROUND_CALLS timed ones, each following each other one equally often (so
+             the same code measures alike at one point, whatever the GPU's clocks do over it, and
+             whatever the implementation before leaves behind); consecutive calls read different sets
              (distinct x and routing), larger together than twice the L2
   host us    median over the same calls of perf_counter around each one (the CUDA event's record
              outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
@@ -237,25 +238,43 @@ def peer_impls(modules: dict[str, torch.nn.Module], T: int) -> list[Impl]:
     return impls
 
 
+def turn_orders(runs: int) -> list[list[int]]:
+    """Orders of `runs` runs, one a round, in which every run follows every other run equally often (a
+    Williams design: `runs` orders for an even count, twice as many for an odd one), so that whatever a
+    run leaves behind (the GPU's state, the host's garbage) falls on every other run alike."""
+    first, low, high = [0], 1, runs - 1
+    while len(first) < runs:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    orders = [[(v + r) % runs for v in first] for r in range(runs)]
+    return orders + [order[::-1] for order in orders] if runs % 2 else orders
+
+
 def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequence[Inputs], repeats: int,
                   device: torch.device) -> list[tuple[float, float]]:
     """(GPU ms, host ms) per call of each of `runs`: the medians over at least `repeats` timed calls of
-    each, after WARMUP_CALLS of each. The runs take turns in short rounds (round r starts with run
-    r mod len(runs)): a lead-in call, untimed, then ROUND_CALLS timed calls, all queued back to back with
-    no sync between them, call c on input set c mod len(inputs) (consecutive calls read different sets),
-    a CUDA event after each call. A timed call's GPU time is the interval from the end of the call
-    before it, of the same run, to its own end: what the call costs when the host keeps up (else the
-    host's pace), whatever the run before the lead-in left the GPU doing; and a drift of the GPU's clocks
-    over the point reaches every run alike. On a CPU both times are each call's wall time."""
+    each, after WARMUP_CALLS of each. The runs take turns in short rounds, in the orders of `turn_orders`
+    (as many rounds as `repeats` needs, rounded up to whole sets of them): a lead-in call, untimed, then
+    ROUND_CALLS timed calls, all queued back to back with no sync between them, call c on input set c mod
+    len(inputs) (consecutive calls read different sets), a CUDA event after each call. A timed call's GPU
+    time is the interval from the end of the call before it, of the same run, to its own end: what the
+    call costs when the host keeps up (else the host's pace), whatever the run before the lead-in left
+    the GPU doing; and a drift of the GPU's clocks over the point reaches every run alike. On a CPU both
+    times are each call's wall time."""
     n = len(inputs)
     for run in runs:
         for i in range(WARMUP_CALLS):
             run(inputs[i % n])
     sync(device)
+    orders = turn_orders(len(runs))
+    rounds = -(-repeats // ROUND_CALLS)
     order: list[tuple[int, bool]] = []  # (run, timed)
-    for r in range(-(-repeats // ROUND_CALLS)):
-        for j in range(len(runs)):
-            i = (j + r) % len(runs)
+    for r in range(-(-rounds // len(orders)) * len(orders)):
+        for i in orders[r % len(orders)]:
             order += [(i, False)] + [(i, True)] * ROUND_CALLS
     on_gpu = device.type == "cuda"
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)] if on_gpu else []
