@@ -7,21 +7,20 @@ table config's block_m (so that an expert's rows take as many row tiles as with 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
-within bf16 rounding) and timed (CUDA events, median of --iters calls after 3 warm-ups, the weights
-far larger than L2); prints the table's time, the best candidate's and the floor (the hit experts'
-weight bytes at 4.16 TB/s), and writes decode_sweep.json into --out.
+within bf16 rounding) and timed (`epmoe.bench.moe.time_calls`: the median of at least --iters
+back-to-back calls, the weights far larger than L2); prints the table's time, the best candidate's and
+the floor (the hit experts' weight bytes at 4.16 TB/s), and writes decode_sweep.json into --out.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
-from epmoe.bench.moe import SHAPES
+from epmoe.bench.moe import SHAPES, time_calls
 from epmoe.kernels.configs import GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
 from epmoe.kernels.layout import sort_pairs
@@ -31,15 +30,8 @@ SMEM_BYTES = 200 * 1024
 
 
 def _time_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    marks[0].record()
-    for i in range(iters):
-        fn()
-        marks[i + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(marks, marks[1:]))
+    """GPU µs of fn() as bench moe times a call: the median interval of back-to-back calls."""
+    return time_calls(lambda _: fn(), [None], iters, torch.device("cuda"))[0] * 1e3
 
 
 def candidates(block_m: int, gate: bool) -> list[GemmConfig]:
