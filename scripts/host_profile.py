@@ -103,7 +103,7 @@ def compare(args, dev: torch.device) -> None:
             for _ in range(5):
                 one()
             torch.cuda.synchronize()
-            gpu_ms, host_ms = time_calls(lambda x: moe(x.x_TD, weights_TK=x.weights_TK, ids_TK=x.ids_TK),
+            gpu_ms, host_ms, _ = time_calls(lambda x: moe(x.x_TD, weights_TK=x.weights_TK, ids_TK=x.ids_TK),
                                          inputs, args.repeats, dev)
             print(f"\n## {shape.name} T={T} {quant}: GPU {gpu_ms * 1e3:.0f} us a call")
             print(f"batched, one input set   {batched_us(one, 200):7.1f} us")

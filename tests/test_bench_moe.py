@@ -94,9 +94,9 @@ def test_turn_orders_let_every_run_follow_every_other_equally_often(runs):
 @pytest.mark.parametrize("repeats, sets", [(1, 1), (3, 2), (10, 8)])
 def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, monkeypatch):
     """After WARMUP_CALLS of each, each round takes every run in turn in the next of `turn_orders`, each a
-    lead-in call and ROUND_CALLS timed ones, over whole sets of the orders; consecutive calls read
-    different input sets; the medians are of each run's own timed calls (CPU: wall times, here from a
-    clock that each call advances by its cost)."""
+    lead-in call and ROUND_CALLS timed ones, over whole sets of the orders; a run's consecutive calls read
+    different input sets, every run the same sequence of them; the medians are of each run's own timed
+    calls (CPU: wall times, here from a clock that each call advances by its cost)."""
     clock = [0.0]
     calls = []
 
@@ -117,11 +117,15 @@ def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, m
     rounds = len(orders) * -(-repeats // (moe.ROUND_CALLS * len(orders)))
     assert [r for r, _ in timed_calls] == [i for k in range(rounds) for i in orders[k % len(orders)]
                                             for _ in range(per_round)]
-    assert [inp for _, inp in timed_calls] == [c % sets for c in range(len(timed_calls))]
+    turn_sets = [[(m * per_round + j) % sets for j in range(per_round)] for m in range(rounds)]
+    assert [inp for _, inp in timed_calls] == [k for m in range(rounds) for _ in range(3) for k in turn_sets[m]]
     for r, cost in enumerate(costs):
-        own = [cost * (1 + c % sets) for c, (run, _) in enumerate(timed_calls) if run == r and c % per_round]
+        own = [cost * (1 + inp) for c, (run, inp) in enumerate(timed_calls) if run == r and c % per_round]
+        assert sorted(own) == sorted(costs[r] * (1 + k) for m in range(rounds) for k in turn_sets[m][1:])
         assert len(own) == rounds * moe.ROUND_CALLS >= repeats
-        assert times[r] == (pytest.approx(statistics.median(own)), pytest.approx(statistics.median(own)))
+        assert times[r].gpu_ms == pytest.approx(statistics.median(own)) == times[r].host_ms
+        q1, _, q3 = statistics.quantiles(own, n=4, method="inclusive") if len(own) > 1 else (0, 0, 0)
+        assert times[r].spread_pct == pytest.approx(100 * (q3 - q1) / statistics.median(own))
 
 
 def test_markdown_table():

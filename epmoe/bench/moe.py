@@ -21,9 +21,12 @@ Per point and implementation:
              before, of the same implementation, and its own: every call is queued back to back with no
              sync between them (after warm-up), the implementations taking turns in short rounds of a
              lead-in call and ROUND_CALLS timed ones, each following each other one equally often (so
-             the same code measures alike at one point, whatever the GPU's clocks do over it, and
-             whatever the implementation before leaves behind); consecutive calls read different sets
-             (distinct x and routing), larger together than twice the L2
+             that a drift of the GPU's clocks over the point, and what the implementation before leaves
+             behind, reach all alike); an implementation's consecutive calls read different input sets
+             (distinct x and routing), larger together than twice the L2, and every implementation
+             reads the same sequence of them
+  spread %   the interquartile range of those calls' GPU times over their median: two medians of the
+             same code (auto where it runs `triton`, and `triton`) are apart by about this much or less
   host us    median over the same calls of perf_counter around each one (the CUDA event's record
              outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
@@ -53,7 +56,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import triton
@@ -254,17 +257,28 @@ def turn_orders(runs: int) -> list[list[int]]:
     return orders + [order[::-1] for order in orders] if runs % 2 else orders
 
 
+class CallTimes(NamedTuple):
+    """Times per call of one run: GPU and host ms (medians), and the GPU times' spread (interquartile range
+    over the median, in %)."""
+
+    gpu_ms: float
+    host_ms: float
+    spread_pct: float
+
+
 def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequence[Inputs], repeats: int,
-                  device: torch.device) -> list[tuple[float, float]]:
-    """(GPU ms, host ms) per call of each of `runs`: the medians over at least `repeats` timed calls of
-    each, after WARMUP_CALLS of each. The runs take turns in short rounds, in the orders of `turn_orders`
-    (as many rounds as `repeats` needs, rounded up to whole sets of them): a lead-in call, untimed, then
-    ROUND_CALLS timed calls, all queued back to back with no sync between them, call c on input set c mod
-    len(inputs) (consecutive calls read different sets), a CUDA event after each call. A timed call's GPU
-    time is the interval from the end of the call before it, of the same run, to its own end: what the
-    call costs when the host keeps up (else the host's pace), whatever the run before the lead-in left
-    the GPU doing; and a drift of the GPU's clocks over the point reaches every run alike. On a CPU both
-    times are each call's wall time."""
+                  device: torch.device) -> list[CallTimes]:
+    """CallTimes of each of `runs`: over at least `repeats` timed calls of each, after WARMUP_CALLS of each.
+    The runs take turns in short rounds, in the orders of `turn_orders` (as many rounds as `repeats` needs,
+    rounded up to whole sets of them): a lead-in call, untimed, then ROUND_CALLS timed calls, all queued
+    back to back with no sync between them, a CUDA event after each call. Call j of a run's turn in round m
+    reads input set (m * (1 + ROUND_CALLS) + j) mod len(inputs): every run reads the same sequence of sets
+    (a call's time depends on its set: where the experts' rows sit near a multiple of the row tile, one
+    set's routing takes a tile more than another's), its consecutive calls different ones. A timed call's
+    GPU time is the interval from the end of the call before it, of the same run, to its own end: what
+    the call costs when the host keeps up (else the host's pace), whatever the run before the lead-in
+    left the GPU doing; and a drift of the GPU's clocks over the point reaches every run alike. On a CPU
+    both times are each call's wall time."""
     n = len(inputs)
     for run in runs:
         for i in range(WARMUP_CALLS):
@@ -272,18 +286,19 @@ def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequ
     sync(device)
     orders = turn_orders(len(runs))
     rounds = -(-repeats // ROUND_CALLS)
-    order: list[tuple[int, bool]] = []  # (run, timed)
-    for r in range(-(-rounds // len(orders)) * len(orders)):
-        for i in orders[r % len(orders)]:
-            order += [(i, False)] + [(i, True)] * ROUND_CALLS
+    order: list[tuple[int, bool, int]] = []  # (run, timed, input set)
+    per_turn = 1 + ROUND_CALLS
+    for m in range(-(-rounds // len(orders)) * len(orders)):
+        for i in orders[m % len(orders)]:
+            order += [(i, j > 0, (m * per_turn + j) % n) for j in range(per_turn)]
     on_gpu = device.type == "cuda"
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)] if on_gpu else []
     host_all = []
     if on_gpu:
         marks[0].record()
-    for c, (r, _) in enumerate(order):
+    for c, (r, _, k) in enumerate(order):
         t0 = time.perf_counter()
-        runs[r](inputs[c % n])
+        runs[r](inputs[k])
         host_all.append((time.perf_counter() - t0) * 1e3)
         if on_gpu:
             marks[c + 1].record()
@@ -291,14 +306,23 @@ def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequ
     gpu_all = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])] if on_gpu else host_all
     times = []
     for i in range(len(runs)):
-        timed = [c for c, (r, t) in enumerate(order) if r == i and t]
-        times.append((statistics.median(gpu_all[c] for c in timed), statistics.median(host_all[c] for c in timed)))
+        gpu = [gpu_all[c] for c, (r, t, _) in enumerate(order) if r == i and t]
+        host = [host_all[c] for c, (r, t, _) in enumerate(order) if r == i and t]
+        times.append(CallTimes(statistics.median(gpu), statistics.median(host), spread_pct(gpu)))
     return times
 
 
+def spread_pct(values: Sequence[float]) -> float:
+    """The interquartile range of `values` over their median, in % (0 for fewer than 2 values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return 100.0 * (q3 - q1) / statistics.median(values)
+
+
 def time_calls(run: Callable[[Inputs], torch.Tensor], inputs: Sequence[Inputs], repeats: int,
-               device: torch.device) -> tuple[float, float]:
-    """(GPU ms, host ms) per call of one run: `time_in_turns` of it alone."""
+               device: torch.device) -> CallTimes:
+    """CallTimes of one run: `time_in_turns` of it alone."""
     return time_in_turns([run], inputs, repeats, device)[0]
 
 
@@ -354,13 +378,13 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         checked.append((impl, rel_error(out_TD, ref_TD), first_s))
         del out_TD
     times = time_in_turns([impl.run for impl, *_ in checked], inputs, repeats, device)
-    measured = [(impl, gpu_ms, host_ms, err, first_s)
-                for (impl, err, first_s), (gpu_ms, host_ms) in zip(checked, times)]
+    measured = [(impl, t.gpu_ms, t.host_ms, t.spread_pct, err, first_s)
+                for (impl, err, first_s), t in zip(checked, times)]
     shares = gemm_shares([m[0] for m in measured], inputs, device) if device.type == "cuda" else {}
     gpu_of = {impl.key: gpu_ms for impl, gpu_ms, *_ in measured}
     hit = statistics.mean(torch.unique(inp.ids_TK).numel() for inp in inputs)
     records = []
-    for impl, gpu_ms, host_ms, err, first_s in measured:
+    for impl, gpu_ms, host_ms, spread, err, first_s in measured:
         baseline = f"{BASELINE} {impl.quant}"
         if baseline not in gpu_of:
             baseline = f"{BASELINE} bf16"
@@ -368,7 +392,7 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         records.append({
             "shape": shape.name, "D": shape.hidden_size, "E": shape.num_experts, "K": shape.top_k,
             "F": shape.intermediate_size, "T": T, "quant": impl.quant, "impl": impl.name, "runs": impl.runs,
-            "gpu_us": gpu_ms * 1e3, "host_us": host_ms * 1e3, "host_pct": 100.0 * host_ms / gpu_ms,
+            "gpu_us": gpu_ms * 1e3, "spread_pct": spread, "host_us": host_ms * 1e3, "host_pct": 100.0 * host_ms / gpu_ms,
             "gemm_pct": shares.get(impl.key), "floor_us": floor.ms * 1e3, "pct_floor": 100.0 * floor.ms / gpu_ms,
             "tflops": floor.flops / gpu_ms / 1e9, "baseline": baseline if baseline in gpu_of else None,
             "x_transformers": gpu_of[baseline] / gpu_ms if baseline in gpu_of else None,
@@ -377,12 +401,13 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
     return records
 
 
-HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "host us", "host %", "GEMM %", "floor us", "% floor",
+HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "spread %", "host us", "host %", "GEMM %", "floor us", "% floor",
            "TFLOP/s", "x tf", "rel err", "check"]
 
 
 def table_rows(records: Sequence[dict]) -> list[list[str]]:
-    return [[r["shape"], r["T"], r["quant"], r["impl"], r["runs"], fmt(r["gpu_us"]), fmt(r["host_us"]),
+    return [[r["shape"], r["T"], r["quant"], r["impl"], r["runs"], fmt(r["gpu_us"]), fmt(r["spread_pct"], ".0f"),
+             fmt(r["host_us"]),
              fmt(r["host_pct"], ".0f"), fmt(r["gemm_pct"], ".0f"), fmt(r["floor_us"]), fmt(r["pct_floor"], ".0f"),
              fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}", "ok" if r["ok"] else "FAIL"]
             for r in records]
