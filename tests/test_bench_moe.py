@@ -182,6 +182,7 @@ def test_the_sweep_runs_on_cpu_and_writes_json_table_and_plot(tmp_path, capsys, 
     for p in points:
         assert p["ok"] and p["rel_err"] < TOLERANCES[p["quant"]], p
         assert p["T"] == 3 and p["input_sets"] == moe.input_sets(3, 64) and p["gemm_pct"] is None
+        assert p["alloc_retries"] == 0 and p["spread_pct"] >= 0
         assert p["baseline"] == ("transformers grouped_mm fp8_block" if fp8_ran and p["quant"] == "fp8_block"
                                  else "transformers grouped_mm bf16")
         assert p["floor_us"] == pytest.approx(moe.block_floor(TINY, 3, p["experts_hit"], p["quant"] == "fp8_block").ms

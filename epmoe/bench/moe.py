@@ -28,7 +28,9 @@ Per point and implementation:
   spread %   the interquartile range of those calls' GPU times over their median: two medians of the
              same code (auto where it runs `triton`, and `triton`) are apart by about this much or less
   host us    median over the same calls of perf_counter around each one (the CUDA event's record
-             outside it): how long the host takes to queue a call (= GPU us where a call syncs the host)
+             outside it): how long the host takes to queue a call (= GPU us where a call syncs the host;
+             moe.json's alloc_retries counts the point's syncs by torch's caching allocator, which
+             releases its cache when no free block fits a request)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
              (GEMM kernels: a name holding one of GEMM_KERNEL_PATTERNS, case-insensitive: epmoe's
              Triton `_grouped_gemm_kernel`, CUTLASS grouped GEMMs, cuBLAS `nvjet`/`xmma`/`gemv`
@@ -377,7 +379,9 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         first_s = time.perf_counter() - t0
         checked.append((impl, rel_error(out_TD, ref_TD), first_s))
         del out_TD
+    retries = alloc_retries(device)
     times = time_in_turns([impl.run for impl, *_ in checked], inputs, repeats, device)
+    retries = alloc_retries(device) - retries
     measured = [(impl, t.gpu_ms, t.host_ms, t.spread_pct, err, first_s)
                 for (impl, err, first_s), t in zip(checked, times)]
     shares = gemm_shares([m[0] for m in measured], inputs, device) if device.type == "cuda" else {}
@@ -397,8 +401,14 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
             "tflops": floor.flops / gpu_ms / 1e9, "baseline": baseline if baseline in gpu_of else None,
             "x_transformers": gpu_of[baseline] / gpu_ms if baseline in gpu_of else None,
             "rel_err": err, "tolerance": TOLERANCES[impl.quant], "ok": err <= TOLERANCES[impl.quant],
-            "first_call_s": first_s, "experts_hit": hit, "input_sets": len(inputs)})
+            "first_call_s": first_s, "experts_hit": hit, "input_sets": len(inputs), "alloc_retries": retries})
     return records
+
+
+def alloc_retries(device: torch.device) -> int:
+    """How often torch's caching allocator has found no free block for a request on `device` so far and
+    retried after releasing its cached blocks (a device sync, the host waiting for the GPU); 0 on a CPU."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
 HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "spread %", "host us", "host %", "GEMM %", "floor us", "% floor",
@@ -490,6 +500,9 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
           f"and {COPY_TBPS} TB/s; rel err vs {ref_name}")
     baselines = dict.fromkeys((r["quant"], r["baseline"]) for r in records if r["baseline"] is not None)
     print("x tf: the baseline's GPU time / GPU time; " + "; ".join(f"{q} rows against {b}" for q, b in baselines))
+    retried = dict.fromkeys(f"{r['shape']} T={r['T']} ({r['alloc_retries']})" for r in records if r["alloc_retries"])
+    if retried:
+        print("the allocator retried (released its cache: a device sync) during the timed calls at: " + ", ".join(retried))
     for key, reason in skipped.items():
         print(f"skipped: {key}: {reason}")
     fails = sum(not r["ok"] for r in records)
