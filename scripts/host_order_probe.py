@@ -1,0 +1,65 @@
+"""Whether `epmoe bench moe`'s host time at a point follows the code or the place in its list of implementations.
+
+    python3 scripts/host_order_probe.py [--shape mixtral-8x7b] [--tokens 16384] [--order auto,triton,grouped_mm]
+
+Builds the point's implementations as bench moe does (transformers' bf16 grouped_mm, then epmoe's in
+--order, bf16 and fp8_block), times them with its `time_in_turns` (--repeats), and prints per
+implementation the GPU and host medians and the host times' quartiles (each call timed again around
+it), then what torch's caching allocator did during the timed calls (device allocations, frees,
+retries). Run it twice with the order swapped: the same code in another place of the list.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from epmoe.bench import moe
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(moe.SHAPES))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--order", default="auto,triton,grouped_mm")
+    p.add_argument("--repeats", type=int, default=30)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    moe.EPMOE_EXPERTS = tuple(args.order.split(","))
+    shape, T = moe.SHAPES[args.shape], args.tokens
+    with torch.inference_mode():
+        weights = moe.make_weights(shape, True, 0, dev)
+        modules = moe.peer_modules(shape, weights, {})
+        gen = torch.Generator(dev).manual_seed(1)
+        inputs = [moe.make_inputs(shape, T, gen, dev) for _ in range(moe.input_sets(T, shape.hidden_size))]
+        impls = [i for i in moe.peer_impls(modules, T) if i.key == f"{moe.BASELINE} bf16"]
+        for quant in ("bf16", "fp8_block"):
+            impls += moe.epmoe_impls(shape, T, quant, weights, dev, {})
+        for impl in impls:
+            impl.run(inputs[0])
+        torch.cuda.synchronize()
+        host = {impl.key: [] for impl in impls}
+
+        def timed(impl):
+            def run(inp):
+                t0 = time.perf_counter()
+                out = impl.run(inp)
+                host[impl.key].append((time.perf_counter() - t0) * 1e3)
+                return out
+            return run
+
+        before = torch.cuda.memory_stats(dev)
+        times = moe.time_in_turns([timed(impl) for impl in impls], inputs, args.repeats, dev)
+        after = torch.cuda.memory_stats(dev)
+    for impl, t in zip(impls, times):
+        q1, med, q3 = statistics.quantiles(host[impl.key], n=4)
+        print(f"{impl.key:32s} GPU {t.gpu_ms * 1e3:9.1f} us  host {t.host_ms * 1e3:9.1f} us  host ms of every call: "
+              f"min {min(host[impl.key]):.2f} q1 {q1:.2f} median {med:.2f} q3 {q3:.2f} max {max(host[impl.key]):.2f}")
+    for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
+        print(f"allocator {key}: {after.get(key, 0) - before.get(key, 0)}")
+
+
+if __name__ == "__main__":
+    main()
