@@ -128,6 +128,42 @@ def test_runs_take_turns_in_rounds_of_a_lead_in_and_timed_calls(repeats, sets, m
         assert times[r].spread_pct == pytest.approx(100 * (q3 - q1) / statistics.median(own))
 
 
+def test_the_host_waits_for_the_call_queued_calls_back_before_queueing_the_next(monkeypatch):
+    """On a GPU: a CUDA event after each call; before call c the host waits for the end of call
+    c - QUEUED_CALLS (never a later one), outside the call's host time."""
+    log = []
+
+    class FakeEvent:
+        made = 0
+
+        def __init__(self, enable_timing):
+            self.index = FakeEvent.made
+            FakeEvent.made += 1
+
+        def record(self):
+            log.append(("record", self.index))
+
+        def synchronize(self):
+            log.append(("wait", self.index))
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(moe.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(moe, "sync", lambda device: None)
+    runs = [lambda inp, r=r: log.append(("call", r)) for r in range(2)]
+    times = moe.time_in_turns(runs, [0, 1, 2], 4, torch.device("cuda"))
+    assert [t.gpu_ms for t in times] == [1.0, 1.0]
+    timed = log[log.index(("record", 0)) + 1:]
+    calls = [i for i, e in enumerate(timed) if e[0] == "call"]
+    for c, at in enumerate(calls):
+        assert timed[at + 1] == ("record", c + 1)  # event c + 1 marks the end of call c
+        waits = [e for e in timed[:at] if e[0] == "wait"]
+        if c >= moe.QUEUED_CALLS:
+            assert timed[at - 1] == ("wait", c + 1 - moe.QUEUED_CALLS)
+        assert all(index <= c + 1 - moe.QUEUED_CALLS for _, index in waits)
+
+
 def test_markdown_table():
     assert moe.markdown_table(["a", "b"], [[1, "x"], [2.5, "-"]]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | - |\n"
 

@@ -18,8 +18,8 @@ the bf16 weights set to the dequantized values, so that bf16 and fp8 rows comput
 
 Per point and implementation:
   GPU us     median over >= --repeats calls of the CUDA-event interval between the end of the call
-             before, of the same implementation, and its own: every call is queued back to back with no
-             sync between them (after warm-up), the implementations taking turns in short rounds of a
+             before, of the same implementation, and its own: every call is queued back to back, the host
+             at most QUEUED_CALLS calls ahead of the GPU (after warm-up), the implementations taking turns in short rounds of a
              lead-in call and ROUND_CALLS timed ones, each following each other one equally often (so
              that a drift of the GPU's clocks over the point, and what the implementation before leaves
              behind, reach all alike); an implementation's consecutive calls read different input sets
@@ -27,8 +27,9 @@ Per point and implementation:
              reads the same sequence of them
   spread %   the interquartile range of those calls' GPU times over their median: two medians of the
              same code (auto where it runs `triton`, and `triton`) are apart by about this much or less
-  host us    median over the same calls of perf_counter around each one (the CUDA event's record
-             outside it): how long the host takes to queue a call (= GPU us where a call syncs the host;
+  host us    median over the same calls of perf_counter around each one (the CUDA event's record and
+             the wait for the call QUEUED_CALLS back outside it): how long the host takes to queue a
+             call (= GPU us where a call syncs the host;
              moe.json's alloc_retries counts the point's syncs by torch's caching allocator, which
              releases its cache when no free block fits a request)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
@@ -90,6 +91,12 @@ EPMOE_EXPERTS = ("auto", "triton", "grouped_mm")
 EAGER_MAX_TOKENS = 256
 WARMUP_CALLS = 2
 ROUND_CALLS = 2  # timed calls of one run after its lead-in call, in a round of `time_in_turns`
+# Calls `time_in_turns` lets the host queue ahead of the GPU: before queueing a call it waits (outside the
+# call's host time) for the end of the call this many back. Unbounded, a host far ahead blocked inside
+# calls on the full launch queue: at Mixtral-8x7B's eager 16384-token point the second epmoe
+# implementation of the list, whichever it was, measured 5.6-6.6 ms of host time a call against 0.7-1.3
+# for the same code in third place (scripts/host_order_probe.py, one H200).
+QUEUED_CALLS = 3
 PROFILE_CALLS = 2
 L2_BYTES = 60e6  # an H200's L2 (BENCHMARKS.md, machines)
 MAX_INPUT_SETS = 8
@@ -273,10 +280,12 @@ def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequ
     """CallTimes of each of `runs`: over at least `repeats` timed calls of each, after WARMUP_CALLS of each.
     The runs take turns in short rounds, in the orders of `turn_orders` (as many rounds as `repeats` needs,
     rounded up to whole sets of them): a lead-in call, untimed, then ROUND_CALLS timed calls, all queued
-    back to back with no sync between them, a CUDA event after each call. Call j of a run's turn in round m
-    reads input set (m * (1 + ROUND_CALLS) + j) mod len(inputs): every run reads the same sequence of sets
-    (a call's time depends on its set: where the experts' rows sit near a multiple of the row tile, one
-    set's routing takes a tile more than another's), its consecutive calls different ones. A timed call's
+    back to back, a CUDA event after each call, the host at most QUEUED_CALLS calls ahead of the GPU (it
+    waits for the event that many calls back before it queues the next, outside the call's host time; no
+    sync otherwise). Call j of a run's turn in round m reads input set (m * (1 + ROUND_CALLS) + j) mod
+    len(inputs): every run reads the same sequence of sets (a call's time depends on its set: where the
+    experts' rows sit near a multiple of the row tile, one set's routing takes a tile more than
+    another's), its consecutive calls different ones. A timed call's
     GPU time is the interval from the end of the call before it, of the same run, to its own end: what
     the call costs when the host keeps up (else the host's pace), whatever the run before the lead-in
     left the GPU doing; and a drift of the GPU's clocks over the point reaches every run alike. On a CPU
@@ -299,6 +308,8 @@ def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequ
     if on_gpu:
         marks[0].record()
     for c, (r, _, k) in enumerate(order):
+        if on_gpu and c >= QUEUED_CALLS:
+            marks[c + 1 - QUEUED_CALLS].synchronize()
         t0 = time.perf_counter()
         runs[r](inputs[k])
         host_all.append((time.perf_counter() - t0) * 1e3)
