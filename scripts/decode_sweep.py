@@ -120,14 +120,14 @@ def main() -> None:
                     print(f"  {op} {cfg.to_dict()} wrong: rel err {err:.3g}", flush=True)
                     continue
                 timed.append((_time_us(lambda c=cfg: run(c), args.iters), cfg))
-            # the table's config timed again last: timed first it measured up to 18% slower than the same
-            # config among the candidates (Qwen3-30B-A3B down at 256 tokens, one H200)
+            # the table's config timed again last: the same config measured up to 36% apart timed first and
+            # after the candidates (DeepSeek-V2-Lite down at 2048 tokens, one H200)
             table_us = _time_us(lambda: run(None), args.iters)
             timed.sort(key=lambda t: t[0])
             best_us, best = timed[0]
-            print(f"{name} T={T} {op}: rows/expert max {max(counts)} mean {T * K / E:.1f}; table "
-                  f"{table_us:.1f} us (first {table_first_us:.1f}; {100 * floor_us / table_us:.0f}% floor) {table_cfg.to_dict()}; best "
-                  f"{best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}", flush=True)
+            print(f"{name} T={T} {op}: rows/expert max {max(counts)} mean {T * K / E:.1f}; table {table_us:.1f} us "
+                  f"(first {table_first_us:.1f}; {100 * floor_us / table_us:.0f}% floor) {table_cfg.to_dict()}; "
+                  f"best {best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}", flush=True)
             for us, cfg in timed[1:5]:
                 print(f"    {us:.1f} us {cfg.to_dict()}")
             results.append({"shape": name, "T": T, "op": op, "floor_us": floor_us, "table_us": table_us,

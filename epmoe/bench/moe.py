@@ -19,8 +19,9 @@ the bf16 weights set to the dequantized values, so that bf16 and fp8 rows comput
 Per point and implementation:
   GPU us     median over >= --repeats calls of the CUDA-event interval between the end of the call
              before, of the same implementation, and its own: every call is queued back to back, the host
-             at most QUEUED_CALLS calls ahead of the GPU (after warm-up), the implementations taking turns in short rounds of a
-             lead-in call and ROUND_CALLS timed ones, each following each other one equally often (so
+             at most QUEUED_CALLS calls ahead of the GPU (after warm-up), the implementations taking turns
+             in short rounds of a lead-in call and ROUND_CALLS timed ones, each following each other one
+             equally often (so
              that a drift of the GPU's clocks over the point, and what the implementation before leaves
              behind, reach all alike); an implementation's consecutive calls read different input sets
              (distinct x and routing), larger together than twice the L2, and every implementation
@@ -29,9 +30,8 @@ Per point and implementation:
              same code (auto where it runs `triton`, and `triton`) are apart by about this much or less
   host us    median over the same calls of perf_counter around each one (the CUDA event's record and
              the wait for the call QUEUED_CALLS back outside it): how long the host takes to queue a
-             call (= GPU us where a call syncs the host;
-             moe.json's alloc_retries counts the point's syncs by torch's caching allocator, which
-             releases its cache when no free block fits a request)
+             call (= GPU us where a call syncs the host; moe.json's alloc_retries counts the point's syncs
+             by torch's caching allocator, which releases its cache when no free block fits a request)
   GEMM %     torch.profiler over PROFILE_CALLS calls: time of the GEMM kernels / time of all kernels
              (GEMM kernels: a name holding one of GEMM_KERNEL_PATTERNS, case-insensitive: epmoe's
              Triton `_grouped_gemm_kernel`, CUTLASS grouped GEMMs, cuBLAS `nvjet`/`xmma`/`gemv`
@@ -285,11 +285,10 @@ def time_in_turns(runs: Sequence[Callable[[Inputs], torch.Tensor]], inputs: Sequ
     sync otherwise). Call j of a run's turn in round m reads input set (m * (1 + ROUND_CALLS) + j) mod
     len(inputs): every run reads the same sequence of sets (a call's time depends on its set: where the
     experts' rows sit near a multiple of the row tile, one set's routing takes a tile more than
-    another's), its consecutive calls different ones. A timed call's
-    GPU time is the interval from the end of the call before it, of the same run, to its own end: what
-    the call costs when the host keeps up (else the host's pace), whatever the run before the lead-in
-    left the GPU doing; and a drift of the GPU's clocks over the point reaches every run alike. On a CPU
-    both times are each call's wall time."""
+    another's), its consecutive calls different ones. A timed call's GPU time is the interval from the
+    end of the call before it, of the same run, to its own end: what the call costs when the host keeps
+    up (else the host's pace), whatever the run before the lead-in left the GPU doing; and a drift of the
+    GPU's clocks over the point reaches every run alike. On a CPU both times are each call's wall time."""
     n = len(inputs)
     for run in runs:
         for i in range(WARMUP_CALLS):
@@ -407,7 +406,8 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         records.append({
             "shape": shape.name, "D": shape.hidden_size, "E": shape.num_experts, "K": shape.top_k,
             "F": shape.intermediate_size, "T": T, "quant": impl.quant, "impl": impl.name, "runs": impl.runs,
-            "gpu_us": gpu_ms * 1e3, "spread_pct": spread, "host_us": host_ms * 1e3, "host_pct": 100.0 * host_ms / gpu_ms,
+            "gpu_us": gpu_ms * 1e3, "spread_pct": spread, "host_us": host_ms * 1e3,
+            "host_pct": 100.0 * host_ms / gpu_ms,
             "gemm_pct": shares.get(impl.key), "floor_us": floor.ms * 1e3, "pct_floor": 100.0 * floor.ms / gpu_ms,
             "tflops": floor.flops / gpu_ms / 1e9, "baseline": baseline if baseline in gpu_of else None,
             "x_transformers": gpu_of[baseline] / gpu_ms if baseline in gpu_of else None,
@@ -422,15 +422,14 @@ def alloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
 
 
-HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "spread %", "host us", "host %", "GEMM %", "floor us", "% floor",
-           "TFLOP/s", "x tf", "rel err", "check"]
+HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "spread %", "host us", "host %", "GEMM %", "floor us",
+           "% floor", "TFLOP/s", "x tf", "rel err", "check"]
 
 
 def table_rows(records: Sequence[dict]) -> list[list[str]]:
     return [[r["shape"], r["T"], r["quant"], r["impl"], r["runs"], fmt(r["gpu_us"]), fmt(r["spread_pct"], ".0f"),
-             fmt(r["host_us"]),
-             fmt(r["host_pct"], ".0f"), fmt(r["gemm_pct"], ".0f"), fmt(r["floor_us"]), fmt(r["pct_floor"], ".0f"),
-             fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}", "ok" if r["ok"] else "FAIL"]
+             fmt(r["host_us"]), fmt(r["host_pct"], ".0f"), fmt(r["gemm_pct"], ".0f"), fmt(r["floor_us"]),
+             fmt(r["pct_floor"], ".0f"), fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}", "ok" if r["ok"] else "FAIL"]
             for r in records]
 
 
@@ -513,7 +512,8 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
     print("x tf: the baseline's GPU time / GPU time; " + "; ".join(f"{q} rows against {b}" for q, b in baselines))
     retried = dict.fromkeys(f"{r['shape']} T={r['T']} ({r['alloc_retries']})" for r in records if r["alloc_retries"])
     if retried:
-        print("the allocator retried (released its cache: a device sync) during the timed calls at: " + ", ".join(retried))
+        print("the allocator retried (released its cache: a device sync) during the timed calls at: "
+              + ", ".join(retried))
     for key, reason in skipped.items():
         print(f"skipped: {key}: {reason}")
     fails = sum(not r["ok"] for r in records)
