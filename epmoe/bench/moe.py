@@ -429,7 +429,8 @@ HEADERS = ["shape", "T", "quant", "impl", "runs", "GPU us", "spread %", "host us
 def table_rows(records: Sequence[dict]) -> list[list[str]]:
     return [[r["shape"], r["T"], r["quant"], r["impl"], r["runs"], fmt(r["gpu_us"]), fmt(r["spread_pct"], ".0f"),
              fmt(r["host_us"]), fmt(r["host_pct"], ".0f"), fmt(r["gemm_pct"], ".0f"), fmt(r["floor_us"]),
-             fmt(r["pct_floor"], ".0f"), fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}", "ok" if r["ok"] else "FAIL"]
+             fmt(r["pct_floor"], ".0f"), fmt(r["tflops"]), fmt(r["x_transformers"], ".2f"), f"{r['rel_err']:.1e}",
+             "ok" if r["ok"] else "FAIL"]
             for r in records]
 
 
