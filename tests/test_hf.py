@@ -22,6 +22,7 @@ from epmoe.hf.fp8 import dequantize_experts, quantize_experts  # noqa: E402
 from epmoe.hf.parallel import EPOptions, experts_modules  # noqa: E402
 from epmoe.hf.run import TOLERANCES, ExpertsCalls  # noqa: E402
 from epmoe.testing import rel_error  # noqa: E402
+import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 NEW = 5
@@ -274,6 +275,49 @@ def test_config_from_qwen3_and_mixtral():
                                              intermediate_size=14336), dtype=torch.float32)
     assert (mixtral.num_experts, mixtral.top_k, mixtral.intermediate_size) == (8, 2, 14336)
     assert mixtral.renormalize and mixtral.dtype == torch.float32
+
+
+def _routed_layer(family: str):
+    """The last MoE block of a tiny `family` model, its correction bias (if any) made nonzero."""
+    if family == "glm4_moe":  # DeepSeek-V3's tiny sizes, through GLM-4-MoE's own config
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+            "glm4_moe", vocab_size=hf_models.VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+            moe_intermediate_size=32, n_routed_experts=12, num_experts_per_tok=2, first_k_dense_replace=1,
+            n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    else:
+        model = hf_models.tiny_model(family)
+    model.set_experts_implementation("eager")
+    block = model.model.layers[-1].mlp
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if bias is not None:
+        with torch.no_grad():
+            bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    return model, block, bias
+
+
+@pytest.mark.parametrize("family", [*hf_models.FAMILIES, "glm4_moe"])
+def test_config_from_hf_routes_as_the_model(family):
+    """FusedMoE(config_from_hf(model.config)) given the router's logits (and correction bias) computes what the
+    model's own experts compute on its own routing, DeepSeek-V3's and GLM-4-MoE's configs holding no
+    scoring_func included."""
+    if family == "glm4_moe" and "glm4_moe" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no GLM-4-MoE")
+    model, block, bias = _routed_layer(family)
+    cfg = config_from_hf(model.config, dtype=torch.float32)
+    assert cfg.scoring == ("sigmoid" if family in ("deepseek_v3", "glm4_moe") else "softmax")
+    moe = epmoe.FusedMoE(cfg, device="cpu", experts="reference")
+    moe.load_experts(block.experts.gate_up_proj.data, block.experts.down_proj.data)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    seen = {}
+    hook = block.experts.register_forward_hook(lambda module, args, out: seen.update(out=out))
+    with torch.no_grad():
+        block(x[None])
+        hook.remove()
+        logits = F_.linear(x, block.gate.weight.float())
+        out = moe(x, logits, correction_bias_E=bias if cfg.scoring == "sigmoid" else None)
+    assert rel_error(out, seen["out"].reshape(16, 64)) < 1e-5
 
 
 def test_config_from_dense_model_is_refused():

@@ -235,14 +235,20 @@ def _first(hf_config: Any, *names: str) -> Any:
     return None
 
 
+# Model types whose routers score with a sigmoid (and a correction bias) while their transformers config has no
+# scoring_func: its DeepseekV3Config and Glm4MoeConfig, for example, have none (a checkpoint's config.json may).
+SIGMOID_MODEL_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
+
+
 def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     """MoEConfig for one MoE layer of a Hugging Face model config (routing included: for `moe(x, logits)`).
 
     Reads (first present wins): experts from n_routed_experts / num_experts / num_local_experts; top-k from
-    num_experts_per_tok; D from hidden_size; F from moe_intermediate_size / intermediate_size; sigmoid
-    scoring when scoring_func == "sigmoid" (DeepSeek-V3); grouped top-k from n_group / topk_group;
+    num_experts_per_tok; D from hidden_size; F from moe_intermediate_size / intermediate_size; scoring from
+    scoring_func ("sigmoid" or "softmax"), else sigmoid for the model types of SIGMOID_MODEL_TYPES
+    (DeepSeek-V3, GLM-4-MoE) and softmax for the others; grouped top-k from n_group / topk_group;
     renormalize from norm_topk_prob (default True); routed_scaling_factor. `overrides` (dtype, quant,
-    max_tokens_per_rank, ...) are passed to MoEConfig last.
+    max_tokens_per_rank, scoring, ...) are passed to MoEConfig last.
     """
     num_experts = _first(hf_config, "n_routed_experts", "num_experts", "num_local_experts")
     top_k = _first(hf_config, "num_experts_per_tok")
@@ -252,8 +258,11 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
                                     ("hidden_size", hidden), ("intermediate size", inter)) if v is None]
     if missing:
         raise ValueError(f"the model config has no {', '.join(missing)}: is it a MoE model?")
+    scoring = _first(hf_config, "scoring_func")
+    if scoring is None:
+        scoring = "sigmoid" if getattr(hf_config, "model_type", None) in SIGMOID_MODEL_TYPES else "softmax"
     kwargs: dict[str, Any] = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
-                                  scoring="sigmoid" if _first(hf_config, "scoring_func") == "sigmoid" else "softmax")
+                                  scoring=scoring)
     norm = _first(hf_config, "norm_topk_prob")
     kwargs["renormalize"] = True if norm is None else bool(norm)
     groups, topk_groups = _first(hf_config, "n_group"), _first(hf_config, "topk_group")
