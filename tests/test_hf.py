@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F_
 
 pytest.importorskip("transformers", reason="epmoe.hf needs transformers (pip install 'epmoe[hf]')")
@@ -318,6 +319,36 @@ def test_config_from_hf_routes_as_the_model(family):
         logits = F_.linear(x, block.gate.weight.float())
         out = moe(x, logits, correction_bias_E=bias if cfg.scoring == "sigmoid" else None)
     assert rel_error(out, seen["out"].reshape(16, 64)) < 1e-5
+
+
+def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_experts():
+    """Under transformers' own expert parallelism a module holds L of the E experts and gets id L (weight 0)
+    for a slot whose expert is on another rank: the epmoe backend skips it, as transformers' eager code
+    does (with torch.distributed initialized, as that parallelism has it)."""
+    experts = hf_models.tiny_model("qwen3_moe").model.layers[0].mlp.experts
+    E = experts.gate_up_proj.shape[0]
+    L = E // 2
+    local = copy.deepcopy(experts)
+    local.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[:L].clone())
+    local.down_proj = torch.nn.Parameter(experts.down_proj[:L].clone())
+    local.num_experts = L
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 64, generator=gen)
+    ids = torch.randint(0, E, (7, 2), generator=gen)
+    weights = torch.rand(7, 2, generator=gen)
+    elsewhere = ids >= L
+    assert elsewhere.any() and not elsewhere.all()
+    ids, weights = ids.masked_fill(elsewhere, L), weights.masked_fill(elsewhere, 0.0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.no_grad():
+            local.config._experts_implementation = "eager"
+            ref = local(x, ids, weights)
+            local.config._experts_implementation = "epmoe"
+            out = local(x, ids, weights)
+    finally:
+        dist.destroy_process_group()
+    assert rel_error(out, ref) < 1e-5 and ref.norm() > 0
 
 
 def test_config_from_dense_model_is_refused():
