@@ -204,6 +204,28 @@ def test_expert_parallel_one_rank(family):
         epmoe.hf.expert_parallel(model, None)
 
 
+def test_expert_parallel_decode_limit_and_a_model_run_through_the_backend_before():
+    """A decode limit of its own gets decode layers of its own (the same dispatcher), which generate as eager
+    does; a model that ran through the epmoe experts backend before keeps no layer of all E experts."""
+    model = hf_models.tiny_model("qwen3_moe")
+    ids = hf_models.prompts(0, 2, 5)
+    ref_tokens, ref_logits = hf_models.greedy(model, ids, NEW)
+    model.set_experts_implementation("epmoe")
+    with torch.no_grad():
+        model(ids)
+    experts = model.model.layers[0].mlp.experts
+    assert "_epmoe_experts" in experts.__dict__
+    model.set_experts_implementation("eager")
+    epmoe.hf.expert_parallel(model, None, options=EPOptions(experts="reference", max_tokens_per_rank=64,
+                                                            decode_max_tokens_per_rank=8))
+    assert "_epmoe_experts" not in experts.__dict__
+    run = experts.forward
+    assert run.decode is not run.prefill and run.decode.dispatcher.name == run.prefill.dispatcher.name
+    assert (run.prefill.cfg.max_tokens_per_rank, run.decode.cfg.max_tokens_per_rank) == (64, 8)
+    tokens, logits = hf_models.greedy(model, ids, NEW, run=lambda m, x, **kw: epmoe.hf.generate(m, x, **kw))
+    assert rel_error(logits, ref_logits) <= TOLERANCES["fp32"] and torch.equal(tokens, ref_tokens)
+
+
 def test_presets_have_the_real_shapes():
     """The presets' parameter counts at full depth are the published models' (built on the meta device)."""
     from epmoe.hf.presets import preset_config

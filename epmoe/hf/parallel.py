@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..interfaces import Dispatcher
 from ..layer import FusedMoE
 from ..symm import group_rank_world
-from .backend import DEFAULT_MAX_TOKENS, check_inference, moe_layer, run_moe
+from .backend import _BINDING, DEFAULT_MAX_TOKENS, check_inference, moe_layer, run_moe
 from .experts import ExpertsWeights, describe, experts_weights, is_experts_module, unsupported
 
 _PHASE = "_epmoe_phase"  # key in the model's __dict__
@@ -48,11 +48,12 @@ class EPOptions:
     """How an expert-parallel model's MoE layers reach their experts.
 
     dispatcher: dispatcher of prefill calls (see `epmoe.list_dispatchers`; "auto" picks one).
-    decode_dispatcher: dispatcher of decode calls (None: the prefill one).
+    decode_dispatcher: dispatcher of decode calls (None: the prefill one's name).
     experts: the experts implementation ("auto", "triton", "grouped_mm", "reference").
     max_tokens_per_rank: the most tokens a prefill dispatch moves per rank (larger calls are chunked).
     decode_max_tokens_per_rank: the same for decode calls (None: max_tokens_per_rank); dispatchers without a
-        host sync (`ll`) take at most this many tokens per call and size their buffers from it.
+        host sync (`ll`) take at most this many tokens per call and size their buffers from it. Decode calls
+        run on layers of their own where the dispatcher or this limit differs from prefill's.
     """
 
     dispatcher: str = "auto"
@@ -140,7 +141,7 @@ def install(model: torch.nn.Module, group: dist.ProcessGroup | None,
     top_k, dtype = top_k_of(model), activation_dtype(model)
     limits = {"prefill": options.max_tokens_per_rank,
               "decode": options.decode_max_tokens_per_rank or options.max_tokens_per_rank}
-    names = {"prefill": options.dispatcher, "decode": options.decode_dispatcher}
+    names = {"prefill": options.dispatcher, "decode": options.decode_dispatcher or options.dispatcher}
     dispatchers: dict[tuple, Dispatcher] = {}  # (phase, E, D, F, quant) -> the dispatcher its layers share
 
     def layer(which: str, weights: ExpertsWeights, num_experts: int) -> FusedMoE:
@@ -153,7 +154,8 @@ def install(model: torch.nn.Module, group: dist.ProcessGroup | None,
 
     for name, (module, weights, num_experts) in local.items():
         prefill = layer("prefill", weights, num_experts)
-        decode = prefill if options.decode_dispatcher is None else layer("decode", weights, num_experts)
+        same = options.decode_dispatcher is None and limits["decode"] == limits["prefill"]
+        decode = prefill if same else layer("decode", weights, num_experts)
         module.forward = ExpertParallelExperts(module, prefill, decode, phase)
     model.__dict__[_PHASE] = phase
     getattr(model, "base_model", model).register_forward_pre_hook(_phase_hook(phase), with_kwargs=True)
@@ -167,6 +169,7 @@ def set_local_experts(module: torch.nn.Module, local: ExpertsWeights) -> None:
         if tensor is not None:
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
     module.num_experts = local.w13_END.shape[0]
+    module.__dict__.pop(_BINDING, None)  # the epmoe backend's layer of all E experts (it holds their weights)
 
 
 def expert_parallel(model: torch.nn.Module, group: dist.ProcessGroup | None, *,
