@@ -252,8 +252,15 @@ class FusedMoE(torch.nn.Module):
 
         Returns:
             out_TD: [T, D] (x_TD's shape) in cfg.dtype.
+
+        Raises ValueError where autograd would need gradients (grad mode on and x_TD, logits_TE or weights_TK
+        requiring them) through a path with no backward (the Triton kernels, the CUDA graphs and the
+        collectives record none), after the call: run inference under torch.no_grad() or
+        torch.inference_mode().
         """
         shape = x_TD.shape
+        wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                     for t in (x_TD, logits_TE, weights_TK))
         x_TD, logits_TE, weights_TK, ids_TK = self._as_tokens(x_TD, logits_TE, weights_TK, ids_TK)
         self._check_inputs(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
         # The shared experts first: their GPU work runs while the host routes and queues the dispatch (~1 ms
@@ -270,6 +277,10 @@ class FusedMoE(torch.nn.Module):
             out_TD = self.graphs.replay_checked(x_TD, ids_TK, weights_TK)
         else:
             out_TD = self._routed(x_TD, ids_TK, weights_TK, chunks)
+        if wants_grad and not out_TD.requires_grad:
+            raise ValueError(f"FusedMoE (dispatcher {self.dispatcher.name!r}, experts {self.experts.name!r}) has no "
+                             "backward on this path, and its inputs require gradients: call it under "
+                             "torch.no_grad() or torch.inference_mode()")
         if shared_TD is not None:
             out_TD += shared_TD
         return out_TD.view(shape)

@@ -73,6 +73,34 @@ def test_local_layer_takes_caller_dtypes_and_all_tokens_on_one_expert(kernels_on
     _expect_close(moe, weights, x2[::2], ids2[::2], w2[::2], cfg)
 
 
+def test_a_path_without_backward_refuses_inputs_that_need_gradients(kernels_on_cpu):
+    """The kernels record no backward: inputs that require gradients, in grad mode, are an error (not a
+    silently missing gradient); the same call under torch.no_grad() runs. The reference experts with the
+    torch layout (the CPU's) keep autograd."""
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    moe, weights = _layer(cfg, "triton", "cpu")
+    x, ids, w = _inputs(cfg, 5, 0, "cpu")
+    for needs in (x, w):
+        needs.requires_grad_(True)
+        with pytest.raises(ValueError, match="no backward"):
+            moe(x, weights_TK=w, ids_TK=ids)
+        with torch.no_grad():
+            _expect_close(moe, weights, x, ids, w, cfg)
+        needs.requires_grad_(False)
+    logits = torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="no backward"):
+        moe(x, logits)
+
+
+def test_the_reference_path_on_cpu_keeps_autograd():
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
+    moe, _ = _layer(cfg, "reference", "cpu")
+    x = torch.randn(5, 16, requires_grad=True)
+    logits = torch.randn(5, 4, requires_grad=True)
+    moe(x, logits).square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0 and logits.grad.abs().sum() > 0
+
+
 def test_local_layer_on_cpu_refuses_bad_ids_before_any_work():
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     moe, _ = _layer(cfg, "reference", "cpu")
