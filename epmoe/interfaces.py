@@ -362,6 +362,24 @@ class Experts(torch.nn.Module, ABC):
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
             self.register_buffer(name, None)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """`load_state_dict` into experts not loaded yet (their buffers None) takes the weights through `load`
+        (kept as views where they need no conversion, as `load` keeps them), and counts w13 / w2 as missing
+        where the state lacks them; loaded experts copy into their buffers as any module's do."""
+        w13, w2 = state_dict.get(prefix + "w13"), state_dict.get(prefix + "w2")
+        if self.w13 is None and (w13 is None or w2 is None):
+            missing_keys.extend(prefix + name for name, t in (("w13", w13), ("w2", w2)) if t is None)
+        elif self.w13 is None:
+            scales = {name: state_dict.get(prefix + name) for name in ("w13_scale", "w2_scale")}
+            try:
+                self.load(w13, w2, **scales)
+            except ValueError as exc:
+                error_msgs.append(f"{prefix or 'experts'}: {exc}")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     @property
     def device(self) -> torch.device:
         """Where the weights are (where they were built to be, before `load`)."""

@@ -75,7 +75,10 @@ class FusedMoE(torch.nn.Module):
     Module state: after `load_experts`, this rank's expert weights are buffers of the `experts`
     submodule, so `state_dict()` holds `experts.w13` [L, 2F, D] and `experts.w2` [L, D, F] (and for
     fp8_block `experts.w13_scale`, `experts.w2_scale`, float32 block scales), plus the shared experts'
-    own state (`shared_experts.w13`, `shared_experts.w2` for a GatedMLP). `.to(device)` moves a
+    own state (`shared_experts.w13`, `shared_experts.w2` for a GatedMLP); `load_state_dict` of such a state
+    into a layer built with the same config (its experts not loaded yet) loads them as `load_experts` does.
+    Weights that need no conversion (cfg.dtype on the layer's device) are kept as views of the tensors
+    given, not copies: change those tensors, and the layer computes with the change. `.to(device)` moves a
     single-rank layer (whose experts can run there); a layer over several ranks, or whose dispatcher
     keeps buffers of its own (`ht`, `ll`), stays where it was built (ValueError). The dtype is cfg.dtype:
     `.to(dtype)`, `.half()`, ... to another dtype raise ValueError; fp8 weights and their scales keep

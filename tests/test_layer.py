@@ -318,6 +318,16 @@ def test_fused_moe_weights_are_module_state_and_fp8_checkpoints_load_as_they_are
         ckpt.load_experts(q13, q2, w13_scale=s13[:, :1], w2_scale=s2)
     with pytest.raises(ValueError, match="both"):
         ckpt.load_experts(q13, q2, w13_scale=s13)
+    # a state dict loads into a layer built with the same config whose experts are not loaded yet
+    restored = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cpu")
+    restored.load_state_dict(ckpt.state_dict())
+    assert torch.equal(restored(x, weights_TK=w, ids_TK=ids), fresh(x, weights_TK=w, ids_TK=ids))
+    other = epmoe.FusedMoE(dataclasses.replace(cfg, hidden_size=128), None, dispatcher="local",
+                           experts="reference", device="cpu")
+    with pytest.raises(RuntimeError, match="w13 must be"):
+        other.load_state_dict(ckpt.state_dict())
+    with pytest.raises(RuntimeError, match="Missing key.*experts.w2"):
+        other.load_state_dict({k: v for k, v in ckpt.state_dict().items() if k != "experts.w2"})
     bf16 = epmoe.FusedMoE(dataclasses.replace(cfg, quant=None), None, dispatcher="local", experts="reference",
                           device="cpu")
     with pytest.raises(ValueError, match="fp8_block"):
