@@ -94,6 +94,8 @@ class FusedMoE(torch.nn.Module):
         self.strict_ids = strict_ids
         self.group = group
         self.device = default_device() if device is None else torch.device(device)
+        if self.device.type == "cpu":
+            self.device = torch.device("cpu")  # "cpu:0" too: CPU tensors report "cpu"
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {str(device)!r}: no CUDA device is visible here "
@@ -209,7 +211,9 @@ class FusedMoE(torch.nn.Module):
         lead = x_TD.shape[:-1]
         for name, t in zip(("logits_TE", "weights_TK", "ids_TK"), rest):
             if t is not None and (t.dim() == 0 or t.shape[:-1] != lead):
-                raise ValueError(f"{name} must have x_TD's leading dims {tuple(lead)}, got {tuple(t.shape)}")
+                last = "E" if name == "logits_TE" else "K"
+                raise ValueError(f"{name} must be [..., {last}] with x_TD's leading dims {tuple(lead)}, got "
+                                 f"{tuple(t.shape)}")
         return tuple(t if t is None or t.dim() == 2 else t.reshape(-1, t.shape[-1]) for t in (x_TD, *rest))
 
     def _check_inputs(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None, weights_TK: torch.Tensor | None,
@@ -222,6 +226,9 @@ class FusedMoE(torch.nn.Module):
             raise ValueError("give either logits_TE or (weights_TK, ids_TK), not both")
         if logits_TE is None and (weights_TK is None or ids_TK is None):
             raise ValueError("give logits_TE, or both weights_TK and ids_TK")
+        if logits_TE is None and correction_bias_E is not None:
+            raise ValueError("correction_bias_E corrects the routing of logits_TE: with weights_TK and ids_TK "
+                             "given there is none to correct")
         if x_TD.device != self.device:
             raise ValueError(f"x_TD is on {x_TD.device}, the layer on {self.device}")
         if logits_TE is None:
@@ -270,6 +277,9 @@ class FusedMoE(torch.nn.Module):
         # of host time at 4096 tokens on 2 H200s, during which an idle GPU would wait; with a dispatcher
         # that agrees no chunk count, also the all-reduce that agrees it, ~150-250 µs)
         shared_TD = None if self.shared_experts is None else self.shared_experts(x_TD)
+        if shared_TD is not None and shared_TD.shape != x_TD.shape:
+            raise ValueError(f"shared_experts must map x_TD {tuple(x_TD.shape)} to the same shape, gave "
+                             f"{tuple(shared_TD.shape)}")
         graphed = self.graphs is not None and self.graphs.takes(x_TD)
         chunks = None if graphed else self.dispatcher.start_chunk_count(self._chunks_of(x_TD), x_TD.device)
         if logits_TE is not None:

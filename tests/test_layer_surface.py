@@ -42,8 +42,12 @@ def test_fused_moe_refuses_mismatched_leading_dims_and_devices():
     x, logits = torch.randn(2, 3, 19), torch.randn(2, 3, 6)
     w, ids = epmoe.route(logits.view(6, 6), cfg)
     for args, kwargs, words in [
-        ((x, logits.view(6, 6)), {}, "logits_TE must have x_TD's leading dims (2, 3)"),
-        ((x,), {"weights_TK": w.view(2, 3, 2), "ids_TK": ids}, "ids_TK must have x_TD's leading dims"),
+        ((x, logits.view(6, 6)), {}, "logits_TE must be [..., E] with x_TD's leading dims (2, 3), got (6, 6)"),
+        ((x,), {"weights_TK": w.view(2, 3, 2), "ids_TK": ids}, "ids_TK must be [..., K] with x_TD's leading dims"),
+        ((x,), {"weights_TK": w.view(2, 3, 2)[..., 0], "ids_TK": ids.view(2, 3, 2)},
+         "weights_TK must be [..., K] with x_TD's leading dims (2, 3), got (2, 3)"),
+        ((x,), {"weights_TK": w.view(2, 3, 2), "ids_TK": ids.view(2, 3, 2), "correction_bias_E": torch.zeros(6)},
+         "correction_bias_E corrects the routing of logits_TE"),
         ((x[..., :18], logits), {}, "x_TD must be [..., D=19]"),
         ((x, logits.to("meta")), {}, "logits_TE is on meta"),
         ((x,), {"weights_TK": w.view(2, 3, 2), "ids_TK": ids.view(2, 3, 2).to("meta")}, "ids_TK is on meta"),
@@ -51,6 +55,16 @@ def test_fused_moe_refuses_mismatched_leading_dims_and_devices():
         with pytest.raises(ValueError) as e:
             moe(*args, **kwargs)
         assert words in str(e.value)
+
+
+def test_fused_moe_refuses_shared_experts_of_another_shape_and_takes_cpu_0():
+    cfg, weights, _ = _layer()
+    moe = epmoe.FusedMoE(cfg, dispatcher="local", experts="reference", device="cpu:0",
+                         shared_experts=lambda x: x[:, :1])
+    moe.load_experts(weights.w13_END, weights.w2_EDF)
+    assert moe.device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"shared_experts must map x_TD \(4, 19\) to the same shape, gave \(4, 1\)"):
+        moe(torch.randn(4, 19), torch.randn(4, 6))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without CUDA")

@@ -159,6 +159,8 @@ def api_cases() -> list[Case]:
         Case("FusedMoE.forward", "x_TD on meta", lambda: moe(x.to("meta"), logits), ("meta",)),
         Case("FusedMoE.forward", "caller's id 8 (E=8)", lambda: moe(x, weights_TK=w, ids_TK=ids.clamp(max=7) + 1),
              ("expert id 8",)),
+        Case("FusedMoE.forward", "correction_bias_E with caller's ids",
+             lambda: moe(x, weights_TK=w, ids_TK=ids, correction_bias_E=torch.zeros(8)), ("correction_bias_E",)),
     ] + hf_cases()
 
 
