@@ -39,7 +39,8 @@ class MoEConfig:
         renormalize: rescale the chosen top-k weights of each token to sum to 1.
         num_groups: split the experts into this many groups for grouped top-k (None: no grouping).
         topk_groups: how many groups each token may pick its experts from (needs num_groups).
-        routed_scaling_factor: FusedMoE multiplies the routed experts' output by this.
+        routed_scaling_factor: FusedMoE multiplies the routed experts' output by this (through the top-k
+            weights, before the combine's float32 sum is rounded to dtype).
     """
 
     num_experts: int

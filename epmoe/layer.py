@@ -182,6 +182,10 @@ class FusedMoE(torch.nn.Module):
         `Dispatcher.start_chunk_count`, started by the caller or here). No host sync of its own with a
         dispatcher free of them (what `graphs` captures)."""
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
+        if self.cfg.routed_scaling_factor != 1.0:
+            # in the top-k weights, so that the combine's float32 sum holds it before its one rounding to
+            # cfg.dtype (scaled after, a float16 sum could overflow on the way to a finite result)
+            weights_TK = weights_TK * self.cfg.routed_scaling_factor
         mine = self._chunks_of(x_TD)
         chunks = chunks or self.dispatcher.start_chunk_count(mine, x_TD.device)
         sent = mine if self.dispatcher.carries_chunks else None  # the count that goes with each dispatch
@@ -197,10 +201,7 @@ class FusedMoE(torch.nn.Module):
             # dispatchers), or a host sync on the all-reduce, over by then
             num_chunks = num_chunks or chunks(batch)
             chunk += 1
-        out_TD = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if self.cfg.routed_scaling_factor != 1.0:
-            out_TD.mul_(self.cfg.routed_scaling_factor)
-        return out_TD
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _as_tokens(self, x_TD: torch.Tensor, *rest: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """x_TD [..., D] and the other inputs given ([..., E] or [..., K], with x_TD's leading dims) as

@@ -49,8 +49,8 @@ def route(
       - DeepSeek-V3: scores = sigmoid(logits); the choice uses scores + correction_bias_E; a group's
         rank is the sum of its two best biased scores; weights are the unbiased scores of the chosen
         experts, renormalized if asked.
-    The chosen weights are finally multiplied by `routed_scaling_factor` (default 1; FusedMoE instead
-    applies cfg.routed_scaling_factor to the routed output).
+    The chosen weights are finally multiplied by `routed_scaling_factor` (default 1; FusedMoE applies
+    cfg.routed_scaling_factor itself, to the top-k weights it routes with, whoever chose them).
 
     Args:
         logits_TE: router logits [T, E], any float dtype, any device.

@@ -92,6 +92,20 @@ def test_a_path_without_backward_refuses_inputs_that_need_gradients(kernels_on_c
         moe(x, logits)
 
 
+@pytest.mark.parametrize("experts", ["reference", "triton"])
+def test_routed_scaling_reaches_the_sum_before_its_rounding(kernels_on_cpu, experts):
+    """float16, a routed_scaling_factor of 0.25 and two experts whose rows are 40940 each: the sum (81880)
+    is past float16's range, the scaled result (20470) is not."""
+    cfg = epmoe.MoEConfig(num_experts=2, top_k=2, hidden_size=64, intermediate_size=32, dtype=torch.float16,
+                          routed_scaling_factor=0.25)
+    moe = epmoe.FusedMoE(cfg, None, dispatcher="local", experts=experts, device="cpu")
+    moe.load_experts(torch.full((2, 64, 64), 0.125), torch.full((2, 64, 32), 20.0))
+    out = moe(torch.ones(3, 64, dtype=torch.float16), weights_TK=torch.ones(3, 2), ids_TK=torch.tensor([[0, 1]] * 3))
+    h = torch.nn.functional.silu(torch.tensor(8.0)) * 8.0  # x W1 = x W3 = 64 * 0.125
+    row = h.half().float() * 20.0 * 32
+    torch.testing.assert_close(out.float(), torch.full((3, 64), 0.25 * 2 * row.item()), rtol=1e-3, atol=0)
+
+
 def test_the_reference_path_on_cpu_keeps_autograd():
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     moe, _ = _layer(cfg, "reference", "cpu")
