@@ -345,8 +345,9 @@ def test_config_from_hf_routes_as_the_model(family):
 
 def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_experts():
     """Under transformers' own expert parallelism a module holds L of the E experts and gets id L (weight 0)
-    for a slot whose expert is on another rank: the epmoe backend skips it, as transformers' eager code
-    does (with torch.distributed initialized, as that parallelism has it)."""
+    for a slot whose expert is on another rank: the epmoe backend skips it (with torch.distributed
+    initialized, as that parallelism has it); the reference is transformers' eager code with those slots
+    on a local expert at weight 0 (transformers 5.17's eager code refuses id L itself)."""
     experts = hf_models.tiny_model("qwen3_moe").model.layers[0].mlp.experts
     E = experts.gate_up_proj.shape[0]
     L = E // 2
@@ -360,12 +361,14 @@ def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_
     weights = torch.rand(7, 2, generator=gen)
     elsewhere = ids >= L
     assert elsewhere.any() and not elsewhere.all()
-    ids, weights = ids.masked_fill(elsewhere, L), weights.masked_fill(elsewhere, 0.0)
+    weights = weights.masked_fill(elsewhere, 0.0)
+    with torch.no_grad():
+        local.config._experts_implementation = "eager"
+        ref = local(x, ids.masked_fill(elsewhere, 0), weights)
+    ids = ids.masked_fill(elsewhere, L)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with torch.no_grad():
-            local.config._experts_implementation = "eager"
-            ref = local(x, ids, weights)
             local.config._experts_implementation = "epmoe"
             out = local(x, ids, weights)
     finally:
