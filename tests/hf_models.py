@@ -24,8 +24,8 @@ _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_no
 
 def tiny_config(family: str, *, experts: int = 12, hidden: int = 64, inter: int = 32, layers: int = 2,
                 **overrides) -> transformers.PretrainedConfig:
-    """A `family` config with E = experts, D = hidden, F = inter (the experts'), top-k 2; DeepSeek's first
-    layer dense."""
+    """A `family` config with E = experts, D = hidden, F = inter (the experts'), top-k 2; DeepSeek's and
+    GLM-4-MoE's first layer dense."""
     common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=2,
                   tie_word_embeddings=False)
     kinds = {
@@ -39,6 +39,9 @@ def tiny_config(family: str, *, experts: int = 12, hidden: int = 64, inter: int 
         "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=inter, n_routed_experts=experts,
                             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, n_group=2, topk_group=1,
                             routed_scaling_factor=2.5, **_MLA),
+        "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=inter, n_routed_experts=experts,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         routed_scaling_factor=2.0, **_ATTENTION),
         "gpt_oss": dict(intermediate_size=inter, num_local_experts=experts, layer_types=["full_attention"] * layers,
                         **_ATTENTION),
     }
