@@ -207,6 +207,13 @@ class FusedMoE(torch.nn.Module):
         """x_TD [..., D] and the other inputs given ([..., E] or [..., K], with x_TD's leading dims) as
         [T, D] / [T, E] / [T, K], T the product of the leading dims (views where the strides allow)."""
         D = self.cfg.hidden_size
+        if x_TD.dim() == 2 and x_TD.shape[1] == D:  # [T, D] and [T, .]: as given (a call's host time counts)
+            T = x_TD.shape[0]
+            for t in rest:
+                if t is not None and (t.dim() != 2 or t.shape[0] != T):
+                    break
+            else:
+                return (x_TD, *rest)
         if x_TD.dim() == 0 or x_TD.shape[-1] != D:
             raise ValueError(f"x_TD must be [..., D={D}], got {tuple(x_TD.shape)}")
         lead = x_TD.shape[:-1]
@@ -297,4 +304,4 @@ class FusedMoE(torch.nn.Module):
                              "torch.no_grad() or torch.inference_mode()")
         if shared_TD is not None:
             out_TD += shared_TD
-        return out_TD.view(shape)
+        return out_TD if len(shape) == 2 else out_TD.view(shape)
