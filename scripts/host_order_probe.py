@@ -7,10 +7,15 @@ Builds the point's implementations as bench moe does (transformers' bf16 grouped
 implementation the GPU and host medians and the host times' quartiles (each call timed again around
 it), then what torch's caching allocator did during the timed calls (device allocations, frees,
 retries). Run it twice with the order swapped: the same code in another place of the list.
+
+--parts KEY[,KEY]: for those epmoe implementations (e.g. "epmoe triton fp8_block"), the medians of the
+replayed call's parts over the timed calls too (the input checks, `takes`, the replay's whole host
+side, its table write and its graph launch; the rest of `replay_checked` is the output's allocation).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -19,12 +24,37 @@ import torch
 from epmoe.bench import moe
 
 
+def instrument(layer) -> dict[str, list[float]]:
+    """Time the host parts of the layer's replayed calls from now on: {part: µs of each call}."""
+    parts = collections.defaultdict(list)
+
+    def wrap(obj, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            out = f(*a, **k)
+            parts[label].append((time.perf_counter() - t0) * 1e6)
+            return out
+
+        setattr(obj, name, timed)
+
+    wrap(layer, "_check_inputs", "checks")
+    wrap(layer.graphs, "takes", "takes")
+    wrap(layer.graphs, "replay_checked", "replay_checked")
+    for captured in layer.graphs._graphs.values():
+        wrap(captured.static.io, "point", "point")
+        wrap(captured.graph, "replay", "graph.replay")
+    return parts
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="mixtral-8x7b", choices=sorted(moe.SHAPES))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--order", default="auto,triton,grouped_mm")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--parts", default="")
     args = p.parse_args()
     dev = torch.device("cuda")
     moe.EPMOE_EXPERTS = tuple(args.order.split(","))
@@ -41,6 +71,8 @@ def main() -> None:
             impl.run(inputs[0])
         torch.cuda.synchronize()
         host = {impl.key: [] for impl in impls}
+        parts = {impl.key: instrument(impl.run.__defaults__[0]) for impl in impls
+                 if impl.key in args.parts.split(",")}  # (epmoe's runs: `lambda inp, moe=moe: ...`)
 
         def timed(impl):
             def run(inp):
@@ -57,6 +89,9 @@ def main() -> None:
         q1, med, q3 = statistics.quantiles(host[impl.key], n=4)
         print(f"{impl.key:32s} GPU {t.gpu_ms * 1e3:9.1f} us  host {t.host_ms * 1e3:9.1f} us  host ms of every call: "
               f"min {min(host[impl.key]):.2f} q1 {q1:.2f} median {med:.2f} q3 {q3:.2f} max {max(host[impl.key]):.2f}")
+    for key, timed_parts in parts.items():
+        print(f"{key}: median µs of " + ", ".join(f"{name} {statistics.median(v):.1f}"
+                                                  for name, v in timed_parts.items()))
     for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"):
         print(f"allocator {key}: {after.get(key, 0) - before.get(key, 0)}")
 
