@@ -1,19 +1,24 @@
 """Launch configs of the weight-bound grouped GEMMs (decode sizes: the hand-set buckets, up to HAND_SET_ROWS
-rows per expert, and the 128-row bucket) swept on routed rows, as `local` hands them over: one GPU, bf16,
-T tokens of a random router sorted by the layout engine; the gate-up reads x through the batch's row
-index, the down applies the top-k weights in its epilogue. Candidates (--pool): "pointer", pointer-kernel
-tiles with the table config's block_m (so that an expert's rows take as many row tiles as with the
-table's); "prefill", for the tuned buckets (128 rows and up) on routed counts, where an expert's rows
-past a multiple of the row tile take a tile more (`epmoe bench experts --tune` times exactly t rows per
-expert): the tuner's warp-specialized and pointer candidates, and 64-row tiles of both kernels.
+rows per expert, and the 128-row bucket) swept on routed rows, as `local` hands them over: one GPU, T
+tokens of a random router sorted by the layout engine; the gate-up reads x through the batch's row
+index, the down applies the top-k weights in its epilogue. --quant bf16 (default) or fp8_block (the
+weights quantized per 128x128 block, x per token per 128 columns before the gate-up, h as the gate-up
+hands it to the down). Candidates (--pool): "pointer", pointer-kernel tiles with the table config's
+block_m (so that an expert's rows take as many row tiles as with the table's); "prefill" (bf16), for the
+tuned buckets (128 rows and up) on routed counts, where an expert's rows past a multiple of the row tile
+take a tile more (`epmoe bench experts --tune` times exactly t rows per expert): the tuner's
+warp-specialized and pointer candidates, and 64-row tiles of both kernels.
 
-    python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--pool pointer|prefill] [--out DIR]
+    python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
+        [--pool pointer|prefill] [--compile-only] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
-within bf16 rounding) and timed (`epmoe.bench.moe.time_calls`: the median of at least --iters
+within rounding: 1e-2 relative) and timed (`epmoe.bench.moe.time_calls`: the median of at least --iters
 back-to-back calls, the weights far larger than L2); prints the table's time (timed first and last), the
 best candidate's and the floor (the larger of the hit experts' weight bytes at 4.16 TB/s and the rows'
-flops at 686 TFLOP/s), and writes decode_sweep.json into --out.
+flops at 686 TFLOP/s, fp8 1276), and writes decode_sweep.json into --out after each point.
+--compile-only: run each candidate once, untimed and unchecked (Triton's cache then holds its kernel):
+several such processes over parts of the points compile in parallel before one timed run.
 """
 from __future__ import annotations
 
@@ -29,9 +34,11 @@ from epmoe.bench.moe import SHAPES, time_calls
 from epmoe.kernels.configs import GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
 from epmoe.kernels.layout import sort_pairs
+from epmoe.kernels.quant import quantize_act
+from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref
 
 COPY_BYTES_PER_S = 4.16e12
-PEAK_BF16_FLOPS = 686e12
+PEAK_FLOPS = {"bf16": 686e12, "fp8_block": 1276e12}
 SMEM_BYTES = 200 * 1024
 
 
@@ -40,10 +47,15 @@ def _time_us(fn, iters: int) -> float:
     return time_calls(lambda _: fn(), [None], iters, torch.device("cuda")).gpu_ms * 1e3
 
 
-def candidates(block_m: int, gate: bool) -> list[GemmConfig]:
+def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
+    """Pointer-kernel tiles with this block_m (fp8: K blocks within one 128-deep scale group, and column
+    tiles of 64 and 128: a gate-up's 128-column tile emits fp8 h itself, a 64-column one writes float32 h,
+    quantized after)."""
     out = []
-    for bn, bk, warps, stages in itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4, 6)):
-        stage = (block_m + (2 if gate else 1) * bn) * bk * 2
+    grid = (((64, 128), (64, 128), (4, 8), (3, 4, 6)) if fp8 and gate else
+            ((64, 128, 256), (64, 128), (4, 8), (3, 5)) if fp8 else ((32, 64, 128), (128, 256), (4, 8), (3, 4, 6)))
+    for bn, bk, warps, stages in itertools.product(*grid):
+        stage = (block_m + (2 if gate else 1) * bn) * bk * (1 if fp8 else 2)
         if stage * stages > SMEM_BYTES:
             continue
         out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
@@ -65,49 +77,116 @@ def prefill_candidates(gate: bool) -> list[GemmConfig]:
     return list(dict.fromkeys(pool))
 
 
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool) -> tuple[dict, list]:
+    """{op: (run(cfg) -> output to check, reference, hit experts' weight bytes, the table's config)} of one
+    point, and the experts' row counts."""
+    E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+    w13, w2 = weights["w13"], weights["w2"]
+    x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+    top, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
+    lay = sort_pairs(ids, E, weights_PK=top / top.sum(-1, keepdim=True))
+    rows = ExpertRows.contiguous(lay.offsets_L1)
+    hit = int((lay.counts_L > 0).sum())
+    counts = lay.counts_L.tolist()
+    rows_n = sum(counts)  # the experts' rows, [0, offsets_L1[L]) of the batch
+    mean = -(-T * K // E)
+    item = 1 if fp8 else 2
+    if fp8:
+        xq, xs = quantize_act(x)
+        s13, s2 = weights["s13"], weights["s2"]
+
+        def up(cfg):
+            return gate_up(xq, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=lay.rows_N, config=cfg)
+
+        h_ref, hs_ref = up(None)
+
+        def up_out(cfg):  # h as the down reads it, dequantized
+            h, hs = up(cfg)
+            return dequantize_act_ref(h[:rows_n], hs[:rows_n])
+
+        def dn(cfg):
+            return down(h_ref, w2, rows, h_scale_RG=hs_ref, w2_scale=s2, row_scale_R=lay.weights_N,
+                        out_dtype=torch.bfloat16, config=cfg)[:rows_n]
+    else:
+        def up_out(cfg):
+            return gate_up(x, w13, rows, x_rows_R=lay.rows_N, config=cfg)[0][:rows_n]
+
+        h_ref, hs_ref = up_out(None), None
+
+        def dn(cfg):
+            return down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16, config=cfg)[:rows_n]
+
+    def table(op):
+        return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True, indexed=op == "gate_up", scattered=True)
+
+    ops = {"gate_up": (up_out, up_out(None), hit * 2 * F * D * item, table("gate_up")),
+           "down": (dn, dn(None), hit * D * F * item, table("down"))}
+    return ops, counts
+
+
+def make_weights(shape, g: torch.Generator, dev: torch.device, fp8: bool) -> dict:
+    """Random expert weights of the shape: bf16 w13 [E, 2F, D] and w2 [E, D, F], or fp8 ones with their
+    block scales (made one expert at a time: no bf16 copy of all of them)."""
+    E, D, F = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    if not fp8:
+        return {"w13": (torch.randn(E, 2 * F, D, device=dev, generator=g) * D ** -0.5).to(torch.bfloat16),
+                "w2": (torch.randn(E, D, F, device=dev, generator=g) * F ** -0.5).to(torch.bfloat16)}
+    out = {}
+    for name, (n, k) in (("w13", (2 * F, D)), ("w2", (D, F))):
+        q = torch.empty(E, n, k, dtype=FP8_DTYPE, device=dev)
+        scale = torch.empty(E, num_groups(n), num_groups(k), dtype=torch.float32, device=dev)
+        for l in range(E):
+            q[l], scale[l] = quantize_weight_ref(torch.randn(n, k, device=dev, generator=g) * k ** -0.5)
+        out[name], out["s13" if name == "w13" else "s2"] = q, scale
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--points", nargs="+", default=["qwen3-30b-a3b:256", "deepseek-v2-lite:256", "qwen3-30b-a3b:128",
                                                     "deepseek-v3:256", "qwen3-30b-a3b:1024", "deepseek-v2-lite:1024",
                                                     "mixtral-8x7b:128", "deepseek-v3:1024"])
+    p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
     p.add_argument("--pool", choices=["pointer", "prefill"], default="pointer")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    fp8 = args.quant == "fp8_block"
+    if fp8 and args.pool != "pointer":
+        p.error("--quant fp8_block sweeps the pointer pool only")
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
     results = []
+    weights: dict[str, dict] = {}
     for point in args.points:
         name, T = point.split(":")
         shape, T = SHAPES[name], int(T)
-        E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-        w13 = (torch.randn(E, 2 * F, D, device=dev, generator=g) * D ** -0.5).to(torch.bfloat16)
-        w2 = (torch.randn(E, D, F, device=dev, generator=g) * F ** -0.5).to(torch.bfloat16)
-        x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
-        top, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(K, dim=-1)
-        lay = sort_pairs(ids, E, weights_PK=top / top.sum(-1, keepdim=True))
-        rows = ExpertRows.contiguous(lay.offsets_L1)
-        hit = int((lay.counts_L > 0).sum())
-        counts = lay.counts_L.tolist()
-        rows_n = sum(counts)  # the experts' rows, [0, offsets_L1[L]) of the batch
-        h_ref, _ = gate_up(x, w13, rows, x_rows_R=lay.rows_N)
-        y_ref = down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16)
-        mean = -(-T * K // E)
-        ops = {
-            "gate_up": (lambda cfg: gate_up(x, w13, rows, x_rows_R=lay.rows_N, config=cfg)[0], h_ref,
-                        hit * 2 * F * D * 2, gemm_config("gate_up", fp8=False, rows_hint=mean, on_gpu=True,
-                                                         indexed=True, scattered=True)),
-            "down": (lambda cfg: down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16,
-                                      config=cfg), y_ref, hit * D * F * 2,
-                     gemm_config("down", fp8=False, rows_hint=mean, on_gpu=True, scattered=True)),
-        }
+        if name not in weights:
+            weights = {name: make_weights(shape, g, dev, fp8)}  # one shape's weights at a time
+        D, F = shape.hidden_size, shape.intermediate_size
+        ops, counts = point_ops(shape, T, weights[name], g, dev, fp8)
+        rows_n = sum(counts)
         for op, (run, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
-            floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_BF16_FLOPS) * 1e6
+            floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
+            pool = (candidates(table_cfg.block_m, op == "gate_up", fp8) if args.pool == "pointer"
+                    else prefill_candidates(op == "gate_up"))
+            if args.compile_only:
+                for cfg in pool:
+                    try:
+                        run(cfg)
+                    except Exception as exc:  # a candidate the compiler or the GPU refuses
+                        print(f"  {op} {cfg.to_dict()} failed: {type(exc).__name__}", flush=True)
+                torch.cuda.synchronize()
+                print(f"{name} T={T} {op}: {len(pool)} candidates compiled", flush=True)
+                continue
             table_first_us = _time_us(lambda: run(None), args.iters)
             timed = []
-            pool = (candidates(table_cfg.block_m, op == "gate_up") if args.pool == "pointer"
-                    else prefill_candidates(op == "gate_up"))
             for cfg in pool:
                 try:
                     out = run(cfg)
@@ -115,7 +194,7 @@ def main() -> None:
                 except Exception as exc:  # a candidate the compiler or the GPU refuses
                     print(f"  {op} {cfg.to_dict()} failed: {type(exc).__name__}", flush=True)
                     continue
-                err = ((out[:rows_n].float() - ref[:rows_n].float()).norm() / ref[:rows_n].float().norm()).item()
+                err = rel_error(out, ref)
                 if err > 1e-2:
                     print(f"  {op} {cfg.to_dict()} wrong: rel err {err:.3g}", flush=True)
                     continue
@@ -125,19 +204,18 @@ def main() -> None:
             table_us = _time_us(lambda: run(None), args.iters)
             timed.sort(key=lambda t: t[0])
             best_us, best = timed[0]
-            print(f"{name} T={T} {op}: rows/expert max {max(counts)} mean {T * K / E:.1f}; table {table_us:.1f} us "
-                  f"(first {table_first_us:.1f}; {100 * floor_us / table_us:.0f}% floor) {table_cfg.to_dict()}; "
-                  f"best {best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}", flush=True)
+            print(f"{name} T={T} {args.quant} {op}: rows/expert max {max(counts)} mean {T * shape.top_k / shape.num_experts:.1f}; "
+                  f"table {table_us:.1f} us (first {table_first_us:.1f}; {100 * floor_us / table_us:.0f}% floor) "
+                  f"{table_cfg.to_dict()}; best {best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}",
+                  flush=True)
             for us, cfg in timed[1:5]:
                 print(f"    {us:.1f} us {cfg.to_dict()}")
-            results.append({"shape": name, "T": T, "op": op, "floor_us": floor_us, "table_us": table_us,
-                            "table_first_us": table_first_us,
-                            "table": table_cfg.to_dict(),
+            results.append({"shape": name, "T": T, "quant": args.quant, "op": op, "floor_us": floor_us,
+                            "table_us": table_us, "table_first_us": table_first_us, "table": table_cfg.to_dict(),
                             "timed": [{"us": us, "config": cfg.to_dict()} for us, cfg in timed]})
-        del w13, w2
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "decode_sweep.json").write_text(json.dumps(results, indent=1))
+        if args.out and not args.compile_only:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            Path(args.out, "decode_sweep.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
