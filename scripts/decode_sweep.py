@@ -13,8 +13,8 @@ warp-specialized and pointer candidates, and 64-row tiles of both kernels.
         [--pool pointer|prefill] [--compile-only] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
-within rounding: 1e-2 relative) and timed (`epmoe.bench.moe.time_calls`: the median of at least --iters
-back-to-back calls, the weights far larger than L2); prints the table's time (timed first and last), the
+within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
+kernel, so the GPU's time and not the host's pace; the weights far larger than L2); prints the table's time (timed first and last), the
 best candidate's and the floor (the larger of the hit experts' weight bytes at 4.16 TB/s and the rows'
 flops at 686 TFLOP/s, fp8 1276), and writes decode_sweep.json into --out after each point.
 --compile-only: run each candidate once, untimed and unchecked (Triton's cache then holds its kernel):
@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES
-from epmoe.bench.moe import SHAPES, time_calls
+from epmoe.bench.moe import SHAPES
 from epmoe.kernels.configs import GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
 from epmoe.kernels.layout import sort_pairs
@@ -40,11 +41,30 @@ from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weig
 COPY_BYTES_PER_S = 4.16e12
 PEAK_FLOPS = {"bf16": 686e12, "fp8_block": 1276e12}
 SMEM_BYTES = 200 * 1024
+SPIN_CLOCK_HZ = 1.98e9  # the H200's top SM clock: torch.cuda._sleep counts cycles
 
 
 def _time_us(fn, iters: int) -> float:
-    """GPU µs of fn() as bench moe times a call: the median interval of back-to-back calls."""
-    return time_calls(lambda _: fn(), [None], iters, torch.device("cuda")).gpu_ms * 1e3
+    """GPU µs of fn(): the mean of `iters` back-to-back calls, all queued behind a spin kernel that outlasts
+    the host's queueing of them (a decode-sized fp8 GEMM takes the GPU less time than its launch takes
+    the host, so calls timed at the host's pace measure the host)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2 * iters * host_s * SPIN_CLOCK_HZ))
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    spin_over = start.query()  # before every call was queued: the GPU waited for the host
+    torch.cuda.synchronize()
+    if spin_over:
+        print("  (the spin ended before the calls were queued: host-paced timing)", flush=True)
+    return start.elapsed_time(end) / iters * 1e3
 
 
 def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
@@ -82,8 +102,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool) -> tuple[dict, list]:
-    """{op: (run(cfg) -> output to check, reference, hit experts' weight bytes, the table's config)} of one
-    point, and the experts' row counts."""
+    """{op: (run(cfg), the output of run(cfg) to check, reference, hit experts' weight bytes, the table's
+    config)} of one point, and the experts' row counts."""
     E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
     w13, w2 = weights["w13"], weights["w2"]
     x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
@@ -112,8 +132,10 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
             return down(h_ref, w2, rows, h_scale_RG=hs_ref, w2_scale=s2, row_scale_R=lay.weights_N,
                         out_dtype=torch.bfloat16, config=cfg)[:rows_n]
     else:
-        def up_out(cfg):
+        def up(cfg):
             return gate_up(x, w13, rows, x_rows_R=lay.rows_N, config=cfg)[0][:rows_n]
+
+        up_out = up
 
         h_ref, hs_ref = up_out(None), None
 
@@ -123,8 +145,8 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
     def table(op):
         return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True, indexed=op == "gate_up", scattered=True)
 
-    ops = {"gate_up": (up_out, up_out(None), hit * 2 * F * D * item, table("gate_up")),
-           "down": (dn, dn(None), hit * D * F * item, table("down"))}
+    ops = {"gate_up": (up, up_out, up_out(None), hit * 2 * F * D * item, table("gate_up")),
+           "down": (dn, dn, dn(None), hit * D * F * item, table("down"))}
     return ops, counts
 
 
@@ -171,7 +193,7 @@ def main() -> None:
         D, F = shape.hidden_size, shape.intermediate_size
         ops, counts = point_ops(shape, T, weights[name], g, dev, fp8)
         rows_n = sum(counts)
-        for op, (run, ref, weight_bytes, table_cfg) in ops.items():
+        for op, (run, checked, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
             floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
             pool = (candidates(table_cfg.block_m, op == "gate_up", fp8) if args.pool == "pointer"
@@ -189,7 +211,7 @@ def main() -> None:
             timed = []
             for cfg in pool:
                 try:
-                    out = run(cfg)
+                    out = checked(cfg)
                     torch.cuda.synchronize()
                 except Exception as exc:  # a candidate the compiler or the GPU refuses
                     print(f"  {op} {cfg.to_dict()} failed: {type(exc).__name__}", flush=True)
