@@ -147,17 +147,18 @@ def test_gate_up_and_down_match_reference(counts, batched, dtype):
 
 @pytest.mark.parametrize("counts", [[5, 0, 17], [0, 0, 0], [1, 0, 0]])
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("block_n", [32, 128])  # 128: h quantized in the gate-up epilogue
+@pytest.mark.parametrize("block_n,block_k", [(32, 32), (64, 128), (128, 128)])  # 128 columns: h quantized in the
+#   gate-up epilogue; 64 with 128-deep K blocks: bf16 x quantized in the batched kernel, float32 h quantized after
 @pytest.mark.parametrize("F", [72, 128])  # 72: partial scale groups (per-column weight scales); 128: per tile
 @pytest.mark.parametrize("x_fp8", [True, False])  # False: bf16 x quantized by the launcher or the kernel
-def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, F, x_fp8):
+def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, block_k, F, x_fp8):
     L, D = len(counts), 136  # a partial last scale group in K
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
     x = torch.randn(R, D, device=DEVICE).bfloat16()
     xq, xs = quantize_act_ref(x)
-    cfg = GemmConfig(block_m=16, block_n=block_n, block_k=32 if block_n == 32 else 128)
+    cfg = GemmConfig(block_m=16, block_n=block_n, block_k=block_k)
     if x_fp8:
         h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
     else:  # batched with block_k 128: quantized inside the gate-up kernel
