@@ -10,15 +10,14 @@ take a tile more (`epmoe bench experts --tune` times exactly t rows per expert):
 warp-specialized and pointer candidates, and 64-row tiles of both kernels.
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
-        [--pool pointer|prefill] [--compile-only] [--out DIR]
+        [--pool pointer|prefill] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
-kernel, so the GPU's time and not the host's pace; the weights far larger than L2); prints the table's time (timed first and last), the
-best candidate's and the floor (the larger of the hit experts' weight bytes at 4.16 TB/s and the rows'
-flops at 686 TFLOP/s, fp8 1276), and writes decode_sweep.json into --out after each point.
---compile-only: run each candidate once, untimed and unchecked (Triton's cache then holds its kernel):
-several such processes over parts of the points compile in parallel before one timed run.
+kernel, so the GPU's time and not the host's pace; the weights far larger than L2); prints the table's
+time (timed first and last), the best candidate's and the floor (the larger of the hit experts' weight
+bytes at 4.16 TB/s and the rows' flops at 686 TFLOP/s, fp8 1276), and writes decode_sweep.json into
+--out after each point.
 """
 from __future__ import annotations
 
@@ -175,7 +174,6 @@ def main() -> None:
     p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
     p.add_argument("--pool", choices=["pointer", "prefill"], default="pointer")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     fp8 = args.quant == "fp8_block"
@@ -198,15 +196,6 @@ def main() -> None:
             floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
             pool = (candidates(table_cfg.block_m, op == "gate_up", fp8) if args.pool == "pointer"
                     else prefill_candidates(op == "gate_up"))
-            if args.compile_only:
-                for cfg in pool:
-                    try:
-                        run(cfg)
-                    except Exception as exc:  # a candidate the compiler or the GPU refuses
-                        print(f"  {op} {cfg.to_dict()} failed: {type(exc).__name__}", flush=True)
-                torch.cuda.synchronize()
-                print(f"{name} T={T} {op}: {len(pool)} candidates compiled", flush=True)
-                continue
             table_first_us = _time_us(lambda: run(None), args.iters)
             timed = []
             for cfg in pool:
@@ -235,7 +224,7 @@ def main() -> None:
             results.append({"shape": name, "T": T, "quant": args.quant, "op": op, "floor_us": floor_us,
                             "table_us": table_us, "table_first_us": table_first_us, "table": table_cfg.to_dict(),
                             "timed": [{"us": us, "config": cfg.to_dict()} for us, cfg in timed]})
-        if args.out and not args.compile_only:
+        if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             Path(args.out, "decode_sweep.json").write_text(json.dumps(results, indent=1))
 

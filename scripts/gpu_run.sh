@@ -10,7 +10,7 @@
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
-#   decode (scripts/decode_sweep.py: the sweep behind the table's decode-sized bf16 buckets)
+#   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile, hfprofile, host and decode). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
@@ -60,6 +60,13 @@ host_profiles() {
     "${LIMIT[@]}" "$PY" scripts/host_profile.py --tokens 16384 --calls 40 --top 25
 }
 
+decode_sweeps() {
+    "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --out "$OUT/decode_bf16" || return 1
+    "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --quant fp8_block --out "$OUT/decode_fp8" --points \
+        qwen3-30b-a3b:128 qwen3-30b-a3b:256 qwen3-30b-a3b:512 deepseek-v2-lite:256 deepseek-v2-lite:512 \
+        mixtral-8x7b:16 mixtral-8x7b:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024
+}
+
 pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
     local status=0
     "${LIMIT[@]}" "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
@@ -82,7 +89,7 @@ stage ll       "${EPMOE[@]}" bench dispatch --mode ll --ranks "$NPROC" --out "$O
 stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$OUT"
 stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
-stage decode   "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --out "$OUT"
+stage decode   decode_sweeps
 stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {
