@@ -494,8 +494,8 @@ def _comment(result: dict) -> str:
     return (f"Grouped expert GEMM launch configs for Hopper, by op and rows per expert. Buckets up to 64 rows: "
             f"hand-set (decode sizes, weight-bound; the bf16 16- and 32-row buckets the fastest of "
             f"`python3 scripts/decode_sweep.py` on routed rows, the fp8 16- and 64-row downs the fastest over their "
-            f"buckets' points of `python3 scripts/decode_sweep.py --quant fp8_block`, its 32-row gate-up the fastest "
-            f"there that spills no register). From 128 rows: the fastest candidate of "
+            f"buckets' points of `python3 scripts/decode_sweep.py --quant fp8_block`). From 128 rows: the fastest "
+            f"candidate of "
             f"`python -m epmoe.bench.experts --tune` on {result['device']}, torch {result['torch']}, triton "
             f"{result['triton']} (summed slowdown over the bucket's model shapes; see epmoe/bench/experts_tune.py). "
             f"Regenerate with `python -m epmoe.bench.experts --tune --out DIR` and copy DIR/configs.json here.")
