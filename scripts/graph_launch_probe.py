@@ -7,7 +7,7 @@
    host µs of `graph.replay()` in batches of back-to-back replays (a sync after each batch of 50,
    outside the time), and the median of replays each queued once the GPU finished the one before.
 2. The layer's graph at each --tokens (`FusedMoE(cfg, None, dispatcher="local", experts="triton")`):
-   the host µs of its replay alone and of a whole call under the same two conditions, the kernels of
+   the host µs of its table write and launch alone and of a whole call under the same two conditions, the kernels of
    one replay with their GPU µs (torch.profiler), and its nodes and edges (its DOT dump, written into
    --out).
 """
@@ -82,12 +82,8 @@ def synthetic(dev: torch.device) -> None:
 class _DebugGraph(torch.cuda.CUDAGraph):
     """A CUDAGraph that keeps its cudaGraph_t after instantiating it, for the DOT dump."""
 
-    made: list["_DebugGraph"] = []
-
     def __new__(cls, keep_graph: bool = False):
-        g = super().__new__(cls, keep_graph=True)
-        cls.made.append(g)
-        return g
+        return super().__new__(cls, keep_graph=True)
 
     def __init__(self, keep_graph: bool = False) -> None:
         try:
@@ -127,18 +123,25 @@ def layer(args, dev: torch.device, out: Path) -> None:
             def call():
                 return moe(inp.x_TD, weights_TK=inp.weights_TK, ids_TK=inp.ids_TK)
 
-            _DebugGraph.made.clear()
             for _ in range(5):
                 call()
             torch.cuda.synchronize()
-            g = _DebugGraph.made[-1]
+            (captured, ) = moe.graphs._graphs.values()
+            g, io = captured.graph, captured.static.io
+            out_TD = torch.empty_like(inp.x_TD)
+
+            def launch():  # the table pointed at this call's tensors (every replay must follow a point)
+                io.point(inp.x_TD, inp.ids_TK, inp.weights_TK, out_TD)
+                g.replay()
+
             print(f"\n## {shape.name} T={T} {quant}")
-            print(f"replay alone: batched {batched_us(g.replay, 300):.1f} µs, after idle {after_idle_us(g.replay, 100):.1f}")
+            print(f"table write + launch: batched {batched_us(launch, 300):.1f} µs, after idle "
+                  f"{after_idle_us(launch, 100):.1f}")
             print(f"whole call:   batched {batched_us(call, 300):.1f} µs, after idle {after_idle_us(call, 100):.1f}")
             from torch.profiler import ProfilerActivity, profile
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                g.replay()
+                launch()
                 torch.cuda.synchronize()
             print("one replay's GPU work:", [(e.name[:50], round(e.device_time, 1)) for e in prof.events()
                                              if e.device_type == torch.autograd.DeviceType.CUDA])
