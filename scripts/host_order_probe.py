@@ -10,7 +10,8 @@ retries). Run it twice with the order swapped: the same code in another place of
 
 --parts KEY[,KEY]: for those epmoe implementations (e.g. "epmoe triton fp8_block"), the medians of the
 replayed call's parts over the timed calls too (the input checks, `takes`, the replay's whole host
-side, its table write and its graph launch; the rest of `replay_checked` is the output's allocation).
+side, its table write and its graph launch; the rest of `replay_checked` is the output's allocation). The
+wrappers that time the parts add their own cost to those implementations' host times.
 """
 from __future__ import annotations
 
