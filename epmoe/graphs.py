@@ -32,6 +32,7 @@ from .symm import indexed_device
 # of the GPU's work, on the H200 machine (bench moe). Larger buckets run eagerly, where the GPU's work
 # outlasts the host's by more (DeepSeek-V3, Mixtral-8x7B at 16384 tokens: host 5-10%).
 GRAPH_MAX_BYTES = 2 << 30
+_IDS_DTYPES = (torch.int32, torch.int64)  # what check_tokens takes for ids_TK
 
 
 def bucket_bytes(cfg: MoEConfig, tokens: int) -> int:
@@ -128,6 +129,21 @@ class RoutedGraphs:
         return (0 < x_TD.shape[0] <= self.max_tokens and self.device.type == "cuda" and x_TD.device == self.device
                 and not torch.cuda.is_current_stream_capturing())
 
+    def reads_as_given(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> bool:
+        """Whether a replay takes this call with its inputs as they are, so that `replay_checked` needs
+        neither `check_tokens` nor a copy first: x_TD [T, D] in cfg.dtype with 1 <= T <= max_tokens, ids_TK
+        [T, K] int32 or int64, weights_TK [T, K] float, each with unit column stride, all on this GPU, and
+        no capture of the caller's under way. The few comparisons of a framework's every call; False says
+        nothing about validity (check_tokens then tells)."""
+        dev, cfg = self.device, self.cfg
+        TK = (x_TD.shape[0] if x_TD.dim() == 2 else 0, cfg.top_k)
+        return (0 < TK[0] <= self.max_tokens and x_TD.is_cuda and x_TD.shape[1] == cfg.hidden_size
+                and x_TD.dtype == cfg.dtype and ids_TK.shape == TK and weights_TK.shape == TK
+                and ids_TK.dtype in _IDS_DTYPES and weights_TK.is_floating_point() and x_TD.device == dev
+                and ids_TK.device == dev and weights_TK.device == dev and x_TD.stride()[1] == 1
+                and ids_TK.stride()[1] == 1 and weights_TK.stride()[1] == 1
+                and not torch.cuda.is_current_stream_capturing())
+
     def clear(self) -> None:
         """Drop every graph (they hold the weights' addresses: call after the weights change)."""
         self._graphs.clear()
@@ -144,11 +160,12 @@ class RoutedGraphs:
         cfg.dtype, ids_TK int [T, K] and weights_TK float [T, K], all on the graphs' device (the graph reads
         them by address, in the dtypes it was captured for: ValueError otherwise)."""
         check_tokens(self.cfg, x_TD, ids_TK, weights_TK, read_ids=False)
-        return self.replay_checked(x_TD, ids_TK, weights_TK)
+        return self.replay_checked(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK))
 
     def replay_checked(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """`self(...)` for inputs that already passed `check_tokens` (FusedMoE's forward checks them): a
-        replay costs the host its dozen or so microseconds of checks less."""
+        """`self(...)` for inputs that already passed `check_tokens` (FusedMoE's forward checks them, or
+        `reads_as_given` held) and have unit column strides (`rows_contiguous`): a replay costs the host
+        its dozen or so microseconds of checks less."""
         T = x_TD.shape[0]
         key = (1 << (T - 1).bit_length(), ids_TK.dtype, weights_TK.dtype)
         g = self._graphs.get(key)
@@ -156,7 +173,7 @@ class RoutedGraphs:
             g = self._graphs[key] = self._capture(*key)
         out_TD = torch.empty(T, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device)
         io = g.static.io
-        io.point(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK), out_TD)
+        io.point(x_TD, ids_TK, weights_TK, out_TD)
         try:
             g.graph.replay()
         except BaseException:

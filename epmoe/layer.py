@@ -14,6 +14,7 @@ import torch.nn.functional as F_
 from .config import MoEConfig
 from .graphs import GraphPool, RoutedGraphs
 from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device
+from .kernels.graph_io import rows_contiguous
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
 from .symm import group_rank_world
@@ -276,6 +277,17 @@ class FusedMoE(torch.nn.Module):
         collectives record none), after the call: run inference under torch.no_grad() or
         torch.inference_mode().
         """
+        graphs = self.graphs
+        if (graphs is not None and logits_TE is None and weights_TK is not None and ids_TK is not None
+                and correction_bias_E is None and not self.strict_ids and self.dispatcher.checks_ids_on_device
+                and self.shared_experts is None
+                and not (torch.is_grad_enabled() and (x_TD.requires_grad or weights_TK.requires_grad))
+                and graphs.reads_as_given(x_TD, ids_TK, weights_TK)):
+            # a framework's every call (its router's ids and weights, as the graph reads them): none of the
+            # general path's reshaping, checks or copies apply (a call's host time counts at a few hundred
+            # tokens, where the GPU's work takes a few hundred microseconds)
+            self.dispatcher.check_device_errors(wait=False)  # what earlier replays caught
+            return graphs.replay_checked(x_TD, ids_TK, weights_TK)
         shape = x_TD.shape
         wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                      for t in (x_TD, logits_TE, weights_TK))
@@ -288,14 +300,14 @@ class FusedMoE(torch.nn.Module):
         if shared_TD is not None and shared_TD.shape != x_TD.shape:
             raise ValueError(f"shared_experts must map x_TD {tuple(x_TD.shape)} to the same shape, gave "
                              f"{tuple(shared_TD.shape)}")
-        graphed = self.graphs is not None and self.graphs.takes(x_TD)
+        graphed = graphs is not None and graphs.takes(x_TD)
         chunks = None if graphed else self.dispatcher.start_chunk_count(self._chunks_of(x_TD), x_TD.device)
         if logits_TE is not None:
             weights_TK, ids_TK = route(logits_TE, self.cfg, correction_bias_E=correction_bias_E)
         if graphed:
             self.dispatcher.check_device_errors(wait=False)  # what earlier replays caught (the graph's host
             #   code, where the dispatcher would look, does not run again)
-            out_TD = self.graphs.replay_checked(x_TD, ids_TK, weights_TK)
+            out_TD = graphs.replay_checked(rows_contiguous(x_TD), rows_contiguous(ids_TK), rows_contiguous(weights_TK))
         else:
             out_TD = self._routed(x_TD, ids_TK, weights_TK, chunks)
         if wants_grad and not out_TD.requires_grad:

@@ -222,6 +222,40 @@ def test_gpu_graph_replays_equal_the_eager_path():
     assert torch.equal(captured, eager(x, weights_TK=w, ids_TK=ids))
 
 
+@pytest.mark.gpu
+def test_gpu_replays_of_inputs_as_given_and_of_checked_ones_agree():
+    """A graphed layer's plain calls ([T, D] x, [T, K] ids and weights with unit column strides: the
+    replay reads them as given) and its calls through the general path (x as [B, S, D], ids and weights
+    with column strides of 2, float32 weights) replay the same graphs and give the eager output bit for
+    bit; inputs the plain path passes over are still checked (ValueError)."""
+    cfg = epmoe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
+    moe, weights = _layer(cfg, "triton", "cuda")
+    eager = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda", cuda_graphs=False)
+    eager.load_experts(weights.w13_END, weights.w2_EDF)
+    for T in (6, 64):
+        x, ids, w = _inputs(cfg, T, T, "cuda", weights_dtype=torch.bfloat16)
+        want = eager(x, weights_TK=w, ids_TK=ids)
+        assert moe.graphs.reads_as_given(x, ids, w)
+        assert torch.equal(moe(x, weights_TK=w, ids_TK=ids), want)
+        ids_s, w_s = (torch.stack([t, t], -1)[..., 0] for t in (ids, w))  # column stride 2
+        assert ids_s.stride(1) == 2 and not moe.graphs.reads_as_given(x, ids_s, w_s)
+        assert torch.equal(moe(x, weights_TK=w_s, ids_TK=ids_s), want)
+        x3 = x.view(2, T // 2, cfg.hidden_size)
+        got3 = moe(x3, weights_TK=w.view(2, T // 2, -1), ids_TK=ids.view(2, T // 2, -1))
+        assert got3.shape == x3.shape and torch.equal(got3.view(T, -1), want)
+        assert torch.equal(moe(x, weights_TK=w.float(), ids_TK=ids.int()), eager(x, weights_TK=w.float(),
+                                                                                   ids_TK=ids.int()))
+    assert {key[0] for key in moe.graphs._graphs} == {8, 64}  # no eager call among them
+    with pytest.raises(ValueError, match="x_TD dtype"):
+        moe(x.float(), weights_TK=w, ids_TK=ids)
+    with pytest.raises(ValueError, match="ids_TK must be"):
+        moe(x, weights_TK=w, ids_TK=ids[:, :2])
+    with pytest.raises(ValueError, match="ids_TK is on cpu"):
+        moe(x, weights_TK=w, ids_TK=ids.cpu())
+    with pytest.raises(ValueError, match="no backward"):
+        moe(x, weights_TK=w.float().requires_grad_(), ids_TK=ids)
+
+
 class _Replay:
     """A CUDA graph's stand-in on the CPU: a replay runs what was captured again."""
 

@@ -17,6 +17,8 @@ Shape letters: B the bucket's tokens, T the call's (T <= B), D hidden size, K to
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ X, X_STRIDE, IDS, IDS_STRIDE, W, W_STRIDE, OUT, OUT_STRIDE, TOKENS = (tl.constex
 SLOTS = 9
 _SLOTS_C = tl.constexpr(SLOTS)
 SLOT_BLOCK = tl.constexpr(16)
+_ROW = struct.Struct(f"={SLOTS}q")  # a row as the host writes it: native int64s, no padding
 
 
 @triton.jit
@@ -110,11 +113,12 @@ class IOTable:
 
     def __init__(self, device: torch.device) -> None:
         self.device = indexed_device(device)
+        self._index = self.device.index
         on_gpu = self.device.type == "cuda"
         self.table = torch.zeros(SLOTS, dtype=torch.int64, device=self.device)  # the running call's row
         self.counter = torch.zeros(1, dtype=torch.int64, device=self.device)  # calls unstaged so far
         self._ring = torch.zeros(self.RING_ROWS, SLOTS, dtype=torch.int64, pin_memory=on_gpu)
-        self._ring_np = self._ring.numpy()
+        self._ring_bytes = memoryview(self._ring.numpy()).cast("B")  # (written through, as one row's bytes)
         self._written = 0  # rows the host has written (calls pointed)
         self._halves: list[torch.cuda.Event | None] = [None, None]
         self._stream: int | None = None
@@ -122,9 +126,9 @@ class IOTable:
     def point(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, out_TD: torch.Tensor) -> None:
         """Point the next call's row at these tensors (rows with unit column stride, on the table's
         device): the next `stage` queued reads from them and the next `unstage` writes to out_TD."""
-        values = (x_TD.data_ptr(), x_TD.stride(0), ids_TK.data_ptr(), ids_TK.stride(0), weights_TK.data_ptr(),
-                  weights_TK.stride(0), out_TD.data_ptr(), out_TD.stride(0), x_TD.shape[0])
-        self._ring_np[self._next_row()] = values
+        _ROW.pack_into(self._ring_bytes, self._next_row() * _ROW.size, x_TD.data_ptr(), x_TD.stride()[0],
+                       ids_TK.data_ptr(), ids_TK.stride()[0], weights_TK.data_ptr(), weights_TK.stride()[0],
+                       out_TD.data_ptr(), out_TD.stride()[0], x_TD.shape[0])
 
     def abandon(self) -> None:
         """Forget the last pointed call, which will never run (its replay failed to queue): waits for
@@ -139,7 +143,7 @@ class IOTable:
         self._written += 1
         if self.device.type != "cuda":
             return row  # (the interpreter runs each kernel as it is launched)
-        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = torch._C._cuda_getCurrentRawStream(self._index)
         if stream != self._stream:
             if self._stream is not None:
                 torch.cuda.synchronize(self.device)
