@@ -80,7 +80,7 @@ stage tests2   pytest_gpu "gpu2" tests_gpu2
 stage check    "${EPMOE[@]}" check --device cuda --nproc "$NPROC"
 stage demo     "${EPMOE[@]}" demo --device cuda --nproc "$NPROC"
 stage experts  "${EPMOE[@]}" bench experts --out "$OUT"
-stage moe      "${EPMOE[@]}" bench moe --out "$OUT"
+stage moe      "${EPMOE[@]}" bench moe --repeats 60 --out "$OUT"
 stage generate "${EPMOE[@]}" generate --preset qwen3-30b-a3b,deepseek-v2-lite --layers 4 --bench --out "$OUT"
 stage hfprofile "${LIMIT[@]}" "$PY" scripts/hf_profile.py --preset qwen3-30b-a3b deepseek-v2-lite --out "$OUT"
 stage host     host_profiles
