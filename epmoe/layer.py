@@ -279,10 +279,9 @@ class FusedMoE(torch.nn.Module):
         """
         graphs = self.graphs
         if (graphs is not None and logits_TE is None and weights_TK is not None and ids_TK is not None
-                and correction_bias_E is None and not self.strict_ids and self.dispatcher.checks_ids_on_device
-                and self.shared_experts is None
+                and correction_bias_E is None and not self.strict_ids and self.shared_experts is None
                 and not (torch.is_grad_enabled() and (x_TD.requires_grad or weights_TK.requires_grad))
-                and graphs.reads_as_given(x_TD, ids_TK, weights_TK)):
+                and graphs.reads_as_given(x_TD, ids_TK, weights_TK) and not self.dispatcher.reads_ids_on_host(x_TD)):
             # a framework's every call (its router's ids and weights, as the graph reads them): none of the
             # general path's reshaping, checks or copies apply (a call's host time counts at a few hundred
             # tokens, where the GPU's work takes a few hundred microseconds)

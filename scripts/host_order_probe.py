@@ -9,8 +9,9 @@ it), then what torch's caching allocator did during the timed calls (device allo
 retries). Run it twice with the order swapped: the same code in another place of the list.
 
 --parts KEY[,KEY]: for those epmoe implementations (e.g. "epmoe triton fp8_block"), the medians of the
-replayed call's parts over the timed calls too (the input checks, `takes`, the replay's whole host
-side, its table write and its graph launch; the rest of `replay_checked` is the output's allocation). The
+replayed call's parts over the timed calls too (the replay's whole host side, its table write and its
+graph launch, and the input checks and `takes` where the call takes FusedMoE.forward's general path; the
+rest of `replay_checked` is the output's allocation). The
 wrappers that time the parts add their own cost to those implementations' host times.
 """
 from __future__ import annotations

@@ -11,9 +11,9 @@ next (outside the timed call). Conditions, each over --calls timed calls:
   the GPU's work per call that much longer (so the host waits that much longer between calls);
 - wait: `sync` (CUDA event synchronize, as bench moe) or `poll` (a Python loop on the event's query);
 - gc: Python's garbage collector on or off during the timed calls.
-Prints per condition the host time's median and quartiles, and the medians of the call's parts (the
-input checks, `takes`, the table write, the graph launch and the whole replay; the wrappers timing them
-add their own cost).
+Prints per condition the host time's median and quartiles, and the medians of the call's parts that ran
+(the table write, the graph launch and the whole replay; the input checks and `takes` only where the
+call takes FusedMoE.forward's general path; the wrappers timing them add their own cost).
 """
 from __future__ import annotations
 

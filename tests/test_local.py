@@ -223,29 +223,53 @@ def test_gpu_graph_replays_equal_the_eager_path():
 
 
 @pytest.mark.gpu
-def test_gpu_replays_of_inputs_as_given_and_of_checked_ones_agree():
+def test_gpu_replays_of_inputs_as_given_and_of_checked_ones_agree(monkeypatch):
     """A graphed layer's plain calls ([T, D] x, [T, K] ids and weights with unit column strides: the
-    replay reads them as given) and its calls through the general path (x as [B, S, D], ids and weights
-    with column strides of 2, float32 weights) replay the same graphs and give the eager output bit for
-    bit; inputs the plain path passes over are still checked (ValueError)."""
+    replay reads them as given, no input check runs) and its calls through the general path (x as [B, S,
+    D], ids and weights with column strides of 2, float32 weights with int32 ids strided too: checked,
+    reshaped or copied, then replayed) give the eager output bit for bit, every one of them a replay;
+    inputs the plain path passes over are still checked (ValueError)."""
     cfg = epmoe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
     moe, weights = _layer(cfg, "triton", "cuda")
     eager = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda", cuda_graphs=False)
     eager.load_experts(weights.w13_END, weights.w2_EDF)
+    calls = {"checks": 0, "replays": 0}
+
+    def counted(obj, name, key):
+        f = getattr(obj, name)
+
+        def run(*args, **kwargs):
+            calls[key] += 1
+            return f(*args, **kwargs)
+        monkeypatch.setattr(obj, name, run)
+
+    counted(moe, "_check_inputs", "checks")
+    counted(moe.graphs, "replay_checked", "replays")
+
+    def strided(t):  # the same values with column stride 2
+        return torch.stack([t, t], -1)[..., 0]
+
+    def expect(want, path, *args, **kwargs):
+        before = dict(calls)
+        got = moe(*args, **kwargs)
+        assert torch.equal(got.view(want.shape), want) and got.shape == args[0].shape
+        assert calls["replays"] == before["replays"] + 1, path
+        assert calls["checks"] == before["checks"] + (path == "general"), path
+
     for T in (6, 64):
         x, ids, w = _inputs(cfg, T, T, "cuda", weights_dtype=torch.bfloat16)
         want = eager(x, weights_TK=w, ids_TK=ids)
         assert moe.graphs.reads_as_given(x, ids, w)
-        assert torch.equal(moe(x, weights_TK=w, ids_TK=ids), want)
-        ids_s, w_s = (torch.stack([t, t], -1)[..., 0] for t in (ids, w))  # column stride 2
-        assert ids_s.stride(1) == 2 and not moe.graphs.reads_as_given(x, ids_s, w_s)
-        assert torch.equal(moe(x, weights_TK=w_s, ids_TK=ids_s), want)
-        x3 = x.view(2, T // 2, cfg.hidden_size)
-        got3 = moe(x3, weights_TK=w.view(2, T // 2, -1), ids_TK=ids.view(2, T // 2, -1))
-        assert got3.shape == x3.shape and torch.equal(got3.view(T, -1), want)
-        assert torch.equal(moe(x, weights_TK=w.float(), ids_TK=ids.int()), eager(x, weights_TK=w.float(),
-                                                                                   ids_TK=ids.int()))
-    assert {key[0] for key in moe.graphs._graphs} == {8, 64}  # no eager call among them
+        expect(want, "plain", x, weights_TK=w, ids_TK=ids)
+        assert ids.stride(1) == 1 and strided(ids).stride(1) == 2
+        assert not moe.graphs.reads_as_given(x, strided(ids), strided(w))
+        expect(want, "general", x, weights_TK=strided(w), ids_TK=strided(ids))
+        expect(want, "general", x.view(2, T // 2, -1), weights_TK=w.view(2, T // 2, -1), ids_TK=ids.view(2, T // 2, -1))
+        want32 = eager(x, weights_TK=w.float(), ids_TK=ids.int())
+        expect(want32, "plain", x, weights_TK=w.float(), ids_TK=ids.int())
+        expect(want32, "general", x, weights_TK=strided(w.float()), ids_TK=strided(ids.int()))
+    assert set(moe.graphs._graphs) == {(B, i, f) for B in (8, 64) for i, f in ((torch.int64, torch.bfloat16),
+                                                                                 (torch.int32, torch.float32))}
     with pytest.raises(ValueError, match="x_TD dtype"):
         moe(x.float(), weights_TK=w, ids_TK=ids)
     with pytest.raises(ValueError, match="ids_TK must be"):

@@ -126,9 +126,9 @@ class IOTable:
     def point(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, out_TD: torch.Tensor) -> None:
         """Point the next call's row at these tensors (rows with unit column stride, on the table's
         device): the next `stage` queued reads from them and the next `unstage` writes to out_TD."""
-        _ROW.pack_into(self._ring_bytes, self._next_row() * _ROW.size, x_TD.data_ptr(), x_TD.stride()[0],
-                       ids_TK.data_ptr(), ids_TK.stride()[0], weights_TK.data_ptr(), weights_TK.stride()[0],
-                       out_TD.data_ptr(), out_TD.stride()[0], x_TD.shape[0])
+        values = (x_TD.data_ptr(), x_TD.stride()[0], ids_TK.data_ptr(), ids_TK.stride()[0], weights_TK.data_ptr(),
+                  weights_TK.stride()[0], out_TD.data_ptr(), out_TD.stride()[0], x_TD.shape[0])
+        _ROW.pack_into(self._ring_bytes, self._next_row() * _ROW.size, *values)  # (the row taken once all are read)
 
     def abandon(self) -> None:
         """Forget the last pointed call, which will never run (its replay failed to queue): waits for
