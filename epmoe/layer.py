@@ -60,8 +60,12 @@ class FusedMoE(torch.nn.Module):
             (dispatch, experts, combine) as a CUDA graph per bucket of token counts (epmoe.graphs) for
             calls of up to `graphs.max_tokens` tokens, where queueing the eager kernels would take the
             host longer than the GPU takes to run them; calls inside a CUDA graph capture of the caller's
-            run eagerly (and are captured with it). graph_pool: an `epmoe.graphs.GraphPool` on the
-            layer's device to share with other layers that never run at the same time (a model's MoE
+            run eagerly (and are captured with it). A call with caller-given ids whose inputs the replay
+            reads as given (`RoutedGraphs.reads_as_given`: [T, D] x, [T, K] ids and weights, unit column
+            strides; no shared experts, no strict_ids) goes straight to the replay, its few comparisons
+            the only checks (the same results; anything else is checked first). graph_pool: an
+            `epmoe.graphs.GraphPool` on the layer's device to share with other layers that never run at
+            the same time (a model's MoE
             layers: their graphs then share one pool of intermediates and one set of static inputs per
             bucket); graph_max_tokens: the largest call replayed (default: what fits in
             epmoe.graphs.GRAPH_MAX_BYTES, at most max_tokens_per_rank).
