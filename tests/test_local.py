@@ -280,6 +280,36 @@ def test_gpu_replays_of_inputs_as_given_and_of_checked_ones_agree(monkeypatch):
         moe(x, weights_TK=w.float().requires_grad_(), ids_TK=ids)
 
 
+def test_only_inputs_the_replay_reads_as_given_skip_the_checks(monkeypatch):
+    """`RoutedGraphs.reads_as_given`, the plain path's one predicate, on CPU tensors standing in for the
+    GPU's (is_cuda patched): true for [T, D] x in cfg.dtype with [T, K] int ids and float weights, unit
+    column strides, 1 <= T <= max_tokens and no capture; false for every other input (which FusedMoE then
+    checks), and for tensors that are not on a GPU at all."""
+    from epmoe.graphs import RoutedGraphs
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, dtype=torch.bfloat16)
+    graphs = RoutedGraphs(lambda *a: None, cfg, torch.device("cpu"), max_tokens=16)
+    x, ids, w = _inputs(cfg, 5, 0, "cpu", weights_dtype=torch.bfloat16)
+    assert not graphs.reads_as_given(x, ids, w)  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graphs.reads_as_given(x, ids, w)
+    assert graphs.reads_as_given(x, ids.int(), w.float()) and graphs.reads_as_given(x, ids, w.half())
+    big = _inputs(cfg, 17, 1, "cpu")
+    other = {
+        "x [B, S, D]": (x.view(1, 5, -1), ids, w), "x [D]": (x[0], ids, w), "T = 0": (x[:0], ids[:0], w[:0]),
+        "T > max_tokens": big, "x float32": (x.float(), ids, w), "x [T, D + 1]": (torch.cat([x, x[:, :1]], 1), ids, w),
+        "ids [T, K - 1]": (x, ids[:, :1], w), "ids float": (x, ids.float(), w), "ids int16": (x, ids.short(), w),
+        "weights int": (x, ids, ids), "weights [T - 1, K]": (x, ids, w[:4]),
+        "x strided": (torch.stack([x, x], -1)[..., 0], ids, w),
+        "ids strided": (x, torch.stack([ids, ids], -1)[..., 0], w),
+        "weights strided": (x, ids, torch.stack([w, w], -1)[..., 0]),
+    }
+    for name, args in other.items():
+        assert not graphs.reads_as_given(*args), name
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not graphs.reads_as_given(x, ids, w)  # the caller's capture: the eager path is what it records
+
+
 class _Replay:
     """A CUDA graph's stand-in on the CPU: a replay runs what was captured again."""
 
