@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .config import MoEConfig
-from .interfaces import check_tokens
+from .interfaces import ID_DTYPES, check_tokens
 from .kernels.graph_io import IOTable, rows_contiguous
 from .symm import indexed_device
 
@@ -32,7 +32,6 @@ from .symm import indexed_device
 # of the GPU's work, on the H200 machine (bench moe). Larger buckets run eagerly, where the GPU's work
 # outlasts the host's by more (DeepSeek-V3, Mixtral-8x7B at 16384 tokens: host 5-10%).
 GRAPH_MAX_BYTES = 2 << 30
-_IDS_DTYPES = (torch.int32, torch.int64)  # what check_tokens takes for ids_TK
 
 
 def bucket_bytes(cfg: MoEConfig, tokens: int) -> int:
@@ -139,7 +138,7 @@ class RoutedGraphs:
         TK = (x_TD.shape[0] if x_TD.dim() == 2 else 0, cfg.top_k)
         return (0 < TK[0] <= self.max_tokens and x_TD.is_cuda and x_TD.shape[1] == cfg.hidden_size
                 and x_TD.dtype == cfg.dtype and ids_TK.shape == TK and weights_TK.shape == TK
-                and ids_TK.dtype in _IDS_DTYPES and weights_TK.is_floating_point() and x_TD.device == dev
+                and ids_TK.dtype in ID_DTYPES and weights_TK.is_floating_point() and x_TD.device == dev
                 and ids_TK.device == dev and weights_TK.device == dev and x_TD.stride()[1] == 1
                 and ids_TK.stride()[1] == 1 and weights_TK.stride()[1] == 1
                 and not torch.cuda.is_current_stream_capturing())

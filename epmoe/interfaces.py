@@ -114,6 +114,9 @@ class ExpertBatch:
                        x_scale=None if self.x_scale is None else self.x_scale.index_select(0, rows))
 
 
+ID_DTYPES = (torch.int32, torch.int64)  # the dtypes caller-given ids_TK may have
+
+
 def check_x(cfg: MoEConfig, x_TD: torch.Tensor) -> None:
     """ValueError unless x_TD is [T, D] in cfg.dtype."""
     D = cfg.hidden_size
@@ -140,7 +143,7 @@ def check_tokens(cfg: MoEConfig, x_TD: torch.Tensor, ids_TK: torch.Tensor, weigh
         raise ValueError(f"ids_TK must be [T={T}, K={K}], got {tuple(ids_TK.shape)}")
     if weights_TK.shape != (T, K):
         raise ValueError(f"weights_TK must be [T={T}, K={K}], got {tuple(weights_TK.shape)}")
-    if ids_TK.dtype not in (torch.int32, torch.int64):
+    if ids_TK.dtype not in ID_DTYPES:
         raise ValueError(f"ids_TK must be int32 or int64, got {ids_TK.dtype}")
     if not weights_TK.is_floating_point():
         raise ValueError(f"weights_TK must be a float tensor, got {weights_TK.dtype}")
