@@ -20,15 +20,18 @@ import argparse
 import collections
 import statistics
 import time
+from typing import Callable
 
 import torch
 
 from epmoe.bench import moe
 
 
-def instrument(layer) -> dict[str, list[float]]:
-    """Time the host parts of the layer's replayed calls from now on: {part: µs of each call}."""
+def instrument(layer) -> tuple[dict[str, list[float]], Callable[[], None]]:
+    """Time the host parts of the layer's replayed calls from now on: ({part: µs of each call}, a function
+    that takes the timing wrappers off again)."""
     parts = collections.defaultdict(list)
+    wrapped = []
 
     def wrap(obj, name: str, label: str) -> None:
         f = getattr(obj, name)
@@ -39,7 +42,12 @@ def instrument(layer) -> dict[str, list[float]]:
             parts[label].append((time.perf_counter() - t0) * 1e6)
             return out
 
-        setattr(obj, name, timed)
+        setattr(obj, name, timed)  # an instance attribute over the class's method
+        wrapped.append((obj, name))
+
+    def undo() -> None:
+        for obj, name in wrapped:
+            delattr(obj, name)
 
     wrap(layer, "_check_inputs", "checks")
     wrap(layer.graphs, "takes", "takes")
@@ -47,7 +55,7 @@ def instrument(layer) -> dict[str, list[float]]:
     for captured in layer.graphs._graphs.values():
         wrap(captured.static.io, "point", "point")
         wrap(captured.graph, "replay", "graph.replay")
-    return parts
+    return parts, undo
 
 
 def main() -> None:
@@ -73,7 +81,7 @@ def main() -> None:
             impl.run(inputs[0])
         torch.cuda.synchronize()
         host = {impl.key: [] for impl in impls}
-        parts = {impl.key: instrument(impl.run.__defaults__[0]) for impl in impls
+        parts = {impl.key: instrument(impl.run.__defaults__[0])[0] for impl in impls
                  if impl.key in args.parts.split(",")}  # (epmoe's runs: `lambda inp, moe=moe: ...`)
 
         def timed(impl):

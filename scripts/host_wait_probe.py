@@ -5,8 +5,8 @@
 `epmoe bench moe` measured the same replayed call (epmoe's `local` layer, one CUDA graph) at 47 µs of
 host time with one token and 87-212 µs at points whose calls keep the GPU busy for 0.3-5 ms. This probe
 times one layer's calls (bench moe's layer and inputs, auto experts) queued as bench moe queues them: the
-host at most QUEUED calls ahead, waiting for the end of the call that many back before queueing the
-next (outside the timed call). Conditions, each over --calls timed calls:
+host at most `QUEUED_CALLS` (bench moe's) calls ahead, waiting for the end of the call that many back
+before queueing the next (outside the timed call). Conditions, each over --calls timed calls:
 - extra µs: a spin kernel (torch.cuda._sleep) queued before every call, outside its host time, making
   the GPU's work per call that much longer (so the host waits that much longer between calls);
 - wait: `sync` (CUDA event synchronize, as bench moe) or `poll` (a Python loop on the event's query);
@@ -32,9 +32,6 @@ from host_order_probe import instrument  # noqa: E402
 
 from epmoe.bench import moe  # noqa: E402
 
-QUEUED = 3
-
-
 def sleep_cycles_per_us() -> float:
     """The GPU clock cycles a torch.cuda._sleep spins per µs."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -54,8 +51,8 @@ def run_condition(call, extra_cycles: int, wait: str, gc_on: bool, calls: int) -
         gc.disable()
     try:
         for c in range(20 + calls):
-            if c >= QUEUED:
-                ev = marks[c - QUEUED]
+            if c >= moe.QUEUED_CALLS:
+                ev = marks[c - moe.QUEUED_CALLS]
                 if wait == "sync":
                     ev.synchronize()
                 else:
@@ -101,15 +98,9 @@ def main() -> None:
         cycles_per_us = sleep_cycles_per_us()
         print(f"{shape.name} T={T} {args.quant}; GPU clock {cycles_per_us:.0f} cycles per µs of _sleep")
         for extra, wait, gc_on in itertools.product(args.extra_us, ("sync", "poll"), (True, False)):
-            parts = instrument(layer)
+            parts, undo = instrument(layer)
             host = run_condition(call, int(extra * cycles_per_us), wait, gc_on, args.calls)
-            for name in ("_check_inputs", "replay_checked"):  # undo the wrappers (instance attributes)
-                vars(layer).pop(name, None)
-                vars(layer.graphs).pop(name, None)
-            vars(layer.graphs).pop("takes", None)
-            for captured in layer.graphs._graphs.values():
-                vars(captured.static.io).pop("point", None)
-                vars(captured.graph).pop("replay", None)
+            undo()
             q1, med, q3 = statistics.quantiles(host, n=4)
             split = ", ".join(f"{k} {statistics.median(v[-args.calls:]):.1f}" for k, v in parts.items())
             print(f"extra {extra:6.0f} µs  wait {wait}  gc {'on ' if gc_on else 'off'}  host µs median {med:6.1f} "
