@@ -36,6 +36,7 @@ from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
 from epmoe.kernels.layout import sort_pairs
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref
+from epmoe.testing import rel_error
 
 COPY_BYTES_PER_S = 4.16e12
 PEAK_FLOPS = {"bf16": 686e12, "fp8_block": 1276e12}
@@ -95,10 +96,6 @@ def prefill_candidates(gate: bool) -> list[GemmConfig]:
         pool += [GemmConfig(block_m=64, block_n=bn, block_k=64, group_m=8, num_warps=4, num_stages=stages,
                             warp_specialize="interleaved") for bn, stages in ((128, 6), (256, 4))]
     return list(dict.fromkeys(pool))
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool) -> tuple[dict, list]:
