@@ -450,9 +450,11 @@ def test_routed_rows_in_order_take_the_scattered_launch_config(monkeypatch):
 
 
 def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():
-    for bad in (dict(warp_specialize="coop"), dict(num_warps=8), dict(block_m=32), dict(num_stages=2)):
+    for bad in (dict(warp_specialize="coop"), dict(num_warps=8), dict(block_m=32), dict(num_stages=2),
+                dict(warp_specialize="split")):  # (split consumers take half of block_m rows each: >= 128)
         with pytest.raises(ValueError, match="warp_specialize"):
             GemmConfig(**{**WS.to_dict(), **bad})
+    assert GemmConfig(**{**WS.to_dict(), "warp_specialize": "split", "block_m": 128}).pointer_variant().num_warps == 8
     with pytest.raises(ValueError, match="pipe_mma needs warp_specialize"):
         GemmConfig(block_m=64, block_n=64, block_k=64, pipe_mma=True)
     ptr = WS.pointer_variant()
@@ -621,12 +623,14 @@ def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
     assert bool((err <= 0.13 * h_ref.abs() + FP8_H_TOL[1]).all())
 
 
-@pytest.mark.parametrize("op,fp8,gather", [("gate_up", False, False), ("down", True, False), ("gate_up", True, False),
-                                           ("gate_up", False, True), ("gate_up", True, True)])
-def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, monkeypatch):
+@pytest.mark.parametrize("op,fp8,gather,schedule", [
+    ("gate_up", False, False, None), ("down", True, False, None), ("gate_up", True, False, None),
+    ("gate_up", False, True, None), ("gate_up", True, True, None), ("down", False, False, "split"),
+    ("gate_up", True, False, "split")])
+def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, schedule, monkeypatch):
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
     of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
-    (gather: A's source rows and the row index passed as pointers)."""
+    (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -639,7 +643,7 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, mon
                 calls.append((grid, signature.bind(*args, **kwargs).arguments, options))
             return launch
     monkeypatch.setattr(ws, "_ws_gemm_kernel", Spy())
-    cfg = experts_tune.WS_CANDIDATES[(op, fp8)][0]
+    cfg = next(c for c in experts_tune.WS_CANDIDATES[(op, fp8)] if schedule in (None, c.warp_specialize))
     L, N, K, R = 3, 256, 384, 40
     w = torch.zeros(L, 2 * N if op == "gate_up" else N, K)
     a = torch.zeros(R, K)
@@ -665,12 +669,15 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, mon
                                                                             out_scale is not None, False)
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
-    # 16-bit outputs of the cooperative schedule store full tiles by TMA where the buffer fits (not the fp8 h)
-    assert meta.tma_store == (cfg.warp_specialize == "cooperative" and out.dtype == torch.bfloat16
+    # 16-bit outputs of the cooperative and split schedules store full tiles by TMA where the buffer fits (not
+    # the fp8 h); a split consumer stores its half of a tile
+    assert meta.tma_store == (cfg.warp_specialize in ("cooperative", "split") and out.dtype == torch.bfloat16
                               and ws.uses_tma_store(cfg, a.dtype, out, op == "gate_up", False))
+    assert meta.tma_store or schedule != "split" or op == "gate_up"
     if meta.tma_store:
         c_desc = bound["c_desc"]
-        assert list(c_desc.block_shape) == [cfg.block_m, cfg.block_n] and list(c_desc.shape) == [R, N]
+        rows = cfg.block_m // (2 if schedule == "split" else 1)
+        assert list(c_desc.block_shape) == [rows, cfg.block_n] and list(c_desc.shape) == [R, N]
     assert (meta.schedule, meta.stages, meta.lanes) == (ws.SCHEDULES[cfg.warp_specialize], cfg.num_stages, 128)
     assert meta.pipe_blocks == (ws.pipe_blocks(K // 128, op == "gate_up") if fp8 and cfg.pipe_mma else 0)
 

@@ -4,7 +4,7 @@ Shape letters: L experts, t rows per expert, R = L*t rows, D hidden size, F inte
 N output columns of one GEMM (gate-up: both halves, 2F), K its reduction size, S source rows.
 
 For every (GEMM, precision) and every table bucket from 128 rows per expert up, each candidate launch
-config (`candidates`: the warp-specialized Gluon kernel on its three schedules and the pointer kernel,
+config (`candidates`: the warp-specialized Gluon kernel on its schedules and the pointer kernel,
 the committed entry first) is
 1. checked: run on the GPU at the bucket's model shapes with 16 experts (8 for Mixtral) and skewed row
    counts (empty experts, partial tiles) against the float32 torch reference (`gate_up_ref` /
@@ -68,21 +68,25 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 # buffer where it fits beside them (`grouped_gemm_ws.uses_tma_store`: the 3-stage 128x256 down is there for
 # it); registers: the fp32 tiles a consumer thread holds (accumulators, and for fp8 the one or two block
 # results) within 224 (tests/compile_hopper.py checks both with triton 3.6 and the newest, and that ptxas
-# keeps the wgmma pipelined). Two 4-warp consumers
+# keeps the wgmma pipelined). Two interleaved 4-warp consumers
 # hold too few registers (triton 3.6's ptxas spills) for the fp8 gate-up's 128-column h tiles (h
-# quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results.
+# quantized in the epilogue; 64-column tiles leave h to `quantize_act`) and for PIPE_MMA's two block results;
+# split consumers (each half of a 128-row tile) hold the fp8 gate-up's with 232 registers, but not
+# PIPE_MMA's gate-up (two block results of the gate and the up).
 # The interleaved bf16 gate-up (64x128x64, 5 stages) is left out: it twice misbehaved in the tuner's checks
 # on the H200 (an unspecified launch failure at Mixtral-8x7B's shape, a wrong result at V2-Lite's: rel.
 # error 0.032), never reproduced and never understood; it won no bucket.
 WS_CANDIDATES = {
-    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4),),
+    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("split", 128, 128, 64, 4)),
     ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 256, 64, 3),
                       _ws("cooperative", 128, 128, 64, 6),
-                      _ws("interleaved", 128, 128, 64, 6)),
+                      _ws("interleaved", 128, 128, 64, 6), _ws("split", 128, 256, 64, 3),
+                      _ws("split", 128, 128, 64, 6)),
     ("gate_up", True): (_ws("cooperative", 64, 128, 128, 5, pipe=True), _ws("cooperative", 128, 128, 128, 4),
-                        _ws("interleaved", 64, 64, 128, 8)),
+                        _ws("interleaved", 64, 64, 128, 8), _ws("split", 128, 128, 128, 4)),
     ("down", True): (_ws("cooperative", 128, 128, 128, 6, pipe=True), _ws("cooperative", 128, 128, 128, 6),
-                     _ws("interleaved", 64, 128, 128, 8)),
+                     _ws("interleaved", 64, 128, 128, 8), _ws("split", 128, 128, 128, 6),
+                     _ws("split", 128, 128, 128, 6, pipe=True)),
 }
 # Pointer-kernel candidates beside the committed entry: one 128-row tile per expert at 128 rows (each
 # weight tile read once).
@@ -92,7 +96,7 @@ POINTER_CANDIDATES = {
     ("down", False): (), ("gate_up", True): (), ("down", True): (),
 }
 INDEXED_CANDIDATES = {
-    False: (_ws("cooperative", 128, 128, 64, 4),
+    False: (_ws("cooperative", 128, 128, 64, 4), _ws("split", 128, 128, 64, 4),
             GemmConfig(block_m=64, block_n=128, block_k=64, group_m=4, num_warps=4, num_stages=4),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tma=True)),
@@ -109,7 +113,7 @@ def candidates(op: str, fp8: bool, bound: int, indexed: bool = False) -> list[Ge
     return out + [c for c in pool if c not in out]
 
 
-_SHORT = {"cooperative": "coop", "interleaved": "intl"}
+_SHORT = {"cooperative": "coop", "interleaved": "intl", "split": "split"}
 
 
 def describe(cfg: GemmConfig) -> str:

@@ -24,8 +24,9 @@ OPS = ("gate_up", "down")
 # tuner's above; every `_indexed` entry starts above it.
 HAND_SET_ROWS = 64
 # Schedules of the warp-specialized kernel (epmoe/kernels/grouped_gemm_ws.py): one consumer of 8 warps,
-# or two of 4 warps taking K blocks of two tiles at once (interleaved).
-WS_SCHEDULES = ("cooperative", "interleaved")
+# two of 4 warps taking K blocks of two tiles at once (interleaved), or two of 4 warps sharing each tile,
+# half its rows each (split).
+WS_SCHEDULES = ("cooperative", "interleaved", "split")
 # Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
 _POINTER_STAGE_BYTES = 200 * 1024
 
@@ -68,9 +69,10 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.warp_specialize must be None or one of {WS_SCHEDULES}, "
                                  f"got {self.warp_specialize!r}")
             warps = 8 if self.warp_specialize == "cooperative" else 4
-            if self.num_warps != warps or self.block_m < 64 or self.num_stages < 3:
+            rows = 128 if self.warp_specialize == "split" else 64  # wgmma: 64 rows a consumer
+            if self.num_warps != warps or self.block_m < rows or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
-                                 f"block_m >= 64 (wgmma) and num_stages >= 3, got {self}")
+                                 f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
 

@@ -12,7 +12,12 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   "cooperative": one consumer of 8 warps (two warp groups, 64 or more rows each) takes every tile;
   "interleaved": two consumers of 4 warps, the ring filled a K block of one's tile then of the other's,
   so that both multiply at once and each one's CUDA-core work (the fp8 promotion) runs beside the
-  other's MMAs.
+  other's MMAs;
+  "split": two consumers of 4 warps sharing every tile, each the wgmma of its half of the rows (a stage
+  goes back to the loader when both have arrived on its `empty` mbarrier). The cooperative consumer's
+  two warp groups meet at a 256-thread barrier after every wgmma wait (the compiler's), so that they
+  promote fp8 block results at the same time and leave the tensor cores idle meanwhile; split
+  consumers synchronize only through the ring, so one's promotion may run beside the other's MMAs.
 - fp8 block-128: each 128-deep K block is multiplied into a separate fp32 tile and promoted on the CUDA
   cores, acc += tile * a_scale[row] * b_scale. With pipe_mma each K block's successor is issued before
   the block is promoted, so that its promotion overlaps the successor's MMAs; an iteration takes 2-4
@@ -36,6 +41,7 @@ configs with `warp_specialize` set where `supported` says it can.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -53,7 +59,7 @@ from ..quant import FP8_DTYPE, num_groups
 from .quant import FP8_MAX_C, MIN_AMAX_C
 from .tile_map import tile_coords
 
-SCHEDULES = {"cooperative": 0, "interleaved": 1}
+SCHEDULES = {"cooperative": 0, "interleaved": 1, "split": 2}
 # Warps of the loader (one thread issues its TMA copies; four warps share out the tile map's lanes),
 # registers per thread of the loader and of the second consumer; the first consumer (the default
 # partition) gets what is left of the block's budget, 65536 registers over the three warp groups.
@@ -65,6 +71,11 @@ CONSUMER_REGS = gl.constexpr(224)
 # keep 56 (their consumers spill with fewer than 224).
 GATHER_LOADER_REGS = gl.constexpr(80)
 GATHER_CONSUMER_REGS = gl.constexpr(216)
+# A split consumer holds the fp8 gate-up's three 64x128 fp32 tiles: with 224 registers it spills (ptxas of
+# triton 3.6 and 3.9), with 232 not; a loader that does not gather needs 48 (one that gathers fp8 rows
+# spills with 48: split fp8 gate-ups through a row index are not offered).
+SPLIT_LOADER_REGS = gl.constexpr(48)
+SPLIT_CONSUMER_REGS = gl.constexpr(232)
 # Registers per thread the kernel is compiled for: the 65536 over its 12 warps (8 consumer warps and the
 # loader's 4); setmaxnreg then moves them from the loader to the consumers.
 _MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
@@ -111,6 +122,17 @@ class Meta:
     block_k: int
     group_m: int
     stages: int
+    row_off: int = 0  # split: the first row of a tile this consumer multiplies (`for_consumer`)
+
+    def for_consumer(self, consumer: int) -> "Meta":
+        """The Meta of one of two consumers: split, the second takes a tile's rows from block_m / 2 on;
+        interleaved, both take whole tiles."""
+        return dataclasses.replace(self, row_off=consumer * self.block_m // 2 if self.schedule == 2 else 0)
+
+
+@gluon.constexpr_function
+def _consumer_meta(meta, consumer):
+    return meta.for_consumer(consumer)
 
 
 @gluon.constexpr_function
@@ -286,14 +308,17 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
 @gluon.jit
 def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.constexpr):
     """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile) of its stage, not waiting
-    for the wgmma."""
+    for the wgmma (split: the consumer's rows of A, from `Meta.row_off`)."""
     a_bufs, b_bufs, bu_bufs, ready, empty = ring
     s = pos % META.stages
     mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
     if META.gather:
         fence_async_shared()  # the loader's cp.async wrote A through the generic proxy; wgmma reads by the async one
     b = bu_bufs.index(s) if UP else b_bufs.index(s)
-    return warpgroup_mma(a_bufs.index(s), b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
+    a = a_bufs.index(s)
+    if META.schedule == 2:
+        a = a.slice(META.row_off, META.block_m // 2)
+    return warpgroup_mma(a, b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
@@ -420,10 +445,14 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     BITS: gl.constexpr = ring[0].dtype.primitive_bitwidth
     BLOCK_M: gl.constexpr = META.block_m
     BLOCK_N: gl.constexpr = META.block_n
-    mma: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, W, BITS)
+    SPLIT: gl.constexpr = META.schedule == 2
+    TILE_M: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M  # the rows this consumer multiplies
+    ROW_OFF: gl.constexpr = META.row_off  # their first, within a tile
+    mma: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, W, BITS)
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    CONSUMERS: gl.constexpr = 1 if META.schedule == 0 else 2
+    CONSUMERS: gl.constexpr = 2 if META.schedule == 1 else 1  # tiles a consumer steps by
+    FIRST: gl.constexpr = CONSUMER if META.schedule == 1 else 0
 
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
     num_tiles_m = gl.sum(tiles, 0)
@@ -434,12 +463,12 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
-    zero = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout=mma)
-    for j in range(CONSUMER, n_mine, CONSUMERS):
+    zero = gl.zeros((TILE_M, BLOCK_N), gl.float32, layout=mma)
+    for j in range(FIRST, n_mine, CONSUMERS):
         expert, row0, row_end, pid_n = _tile_coords(pid + j * nprog, e, base, count, tiles, tiles_end,
                                                     num_tiles_m, num_tiles_n, META.group_m, META.block_m)
         pos0, stride = _ring_slot(j, n_mine, steps, META)
-        offs_m = row0 + gl.arange(0, BLOCK_M, layout=rows_l)
+        offs_m = row0 + ROW_OFF + gl.arange(0, TILE_M, layout=rows_l)
         m_mask = offs_m < row_end
         if META.fp8:
             rows_a = gl.minimum(offs_m, R - 1).to(gl.int64)  # rows past the expert's end: read, never stored
@@ -471,12 +500,14 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
             gl.store(c_scale_ptr + offs_m.to(gl.int64) * G_C + pid_n, scale, mask=m_mask)
         elif META.tma_store:
             c_desc, c_smem = out
-            if row0 + BLOCK_M <= row_end:
+            if SPLIT:
+                c_smem = c_smem.index(CONSUMER)
+            if row0 + ROW_OFF + TILE_M <= row_end:
                 tma.store_wait(0)  # the last tile's store has read the buffer (its issuing thread waits) ...
                 _partition_barrier()  # ... before any warp writes it again
                 c_smem.store(acc.to(c_desc.dtype))
                 fence_async_shared()
-                _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)  # columns past N: clipped by TMA
+                _tma_store(c_desc, [row0 + ROW_OFF, pid_n * BLOCK_N], c_smem)  # columns past N: clipped by TMA
             else:
                 _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
         else:
@@ -494,8 +525,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     B[l]), as `grouped_gemm._grouped_gemm_kernel`: A through a_desc ([R, K], block [block_m, block_k]),
     or with `Meta.gather` A [S, K] at a_ptr, row i of the batch A[a_rows[i]] (a_desc then only gives the
     tiles' shape and shared layout); B through b_desc (B as [L * N (x2), K], block [block_n, block_k]),
-    C [R, N] by pointers, and with `Meta.tma_store` full tiles through c_desc (block [block_m, block_n];
-    else any descriptor, unread)."""
+    C [R, N] by pointers, and with `Meta.tma_store` full tiles through c_desc (block [block_m, block_n],
+    split: [block_m / 2, block_n]; else any descriptor, unread)."""
     gl.static_assert(not META.gather or (META.gate_up and not META.batched), "a row index is for the gate-up, "
                      "contiguous layout")
     gl.static_assert(not META.fp8 or META.block_k == _SCALE_GROUP, "fp8 needs block_k == 128 (one scale group)")
@@ -503,8 +534,9 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     gl.static_assert(not META.quant_out or (META.gate_up and META.fp8 and META.block_n == _SCALE_GROUP),
                      "fp8 h output needs the gate-up fp8 kernel with block_n == 128")
     gl.static_assert(META.schedule == 0 or gl.num_warps() == 4, "two consumers have 4 warps each")
-    gl.static_assert(not META.tma_store or (META.schedule == 0 and not META.quant_out),
-                     "TMA stores: the cooperative schedule's 16-bit outputs")
+    gl.static_assert(not META.tma_store or (META.schedule != 1 and not META.quant_out),
+                     "TMA stores: the cooperative and split schedules' 16-bit outputs")
+    gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
     STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -516,22 +548,27 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1 + (_GATHER_ARRIVALS if META.gather else 0))
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if META.schedule == 2 else 1)  # split: both consumers
     ring = (a_bufs, b_bufs, bu_bufs, ready, empty)
-    if META.tma_store:
-        out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout))
+    if META.tma_store:  # split: a buffer per consumer
+        shape: gl.constexpr = ([2] if META.schedule == 2 else []) + c_desc.block_type.shape
+        out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, shape, c_desc.layout))
     else:
         out = (c_desc, a_bufs)  # (unread)
     args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
             stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr)
-    loader_regs: gl.constexpr = GATHER_LOADER_REGS if META.gather and not META.fp8 else LOADER_REGS
+    loader_regs: gl.constexpr = (GATHER_LOADER_REGS if META.gather and not META.fp8 else
+                                 SPLIT_LOADER_REGS if META.schedule == 2 and not META.gather else LOADER_REGS)
     if META.schedule == 0:
         gl.warp_specialize([(_ws_consume, (ring, args, out, 0, META)),
                             (_ws_load, (a_desc, b_desc, ring, args, META))],
                            [LOADER_WARPS], [loader_regs])
     else:
-        consumer_regs: gl.constexpr = GATHER_CONSUMER_REGS if META.gather and not META.fp8 else CONSUMER_REGS
-        gl.warp_specialize([(_ws_consume, (ring, args, out, 0, META)), (_ws_consume, (ring, args, out, 1, META)),
+        consumer_regs: gl.constexpr = (GATHER_CONSUMER_REGS if META.gather and not META.fp8 else
+                                       SPLIT_CONSUMER_REGS if META.schedule == 2 and not META.gather else
+                                       CONSUMER_REGS)
+        gl.warp_specialize([(_ws_consume, (ring, args, out, 0, _consumer_meta(META, 0))),
+                            (_ws_consume, (ring, args, out, 1, _consumer_meta(META, 1))),
                             (_ws_load, (a_desc, b_desc, ring, args, META))],
                            [4, LOADER_WARPS], [consumer_regs, loader_regs])
 
@@ -565,10 +602,10 @@ def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: 
 
 
 def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, quant_out: bool) -> bool:
-    """Whether a launch stores its full tiles by TMA: the cooperative schedule, a 16-bit TMA-ready output
-    (not the fp8 h), and the ring's stages with the [block_m, block_n] output buffer within the block's
-    shared memory."""
-    if cfg.warp_specialize != "cooperative" or quant_out or out.element_size() != 2 or not _tma_ready(out):
+    """Whether a launch stores its full tiles by TMA: the cooperative or split schedule, a 16-bit TMA-ready
+    output (not the fp8 h), and the ring's stages with the [block_m, block_n] output buffer (split: two
+    halves) within the block's shared memory."""
+    if cfg.warp_specialize not in ("cooperative", "split") or quant_out or out.element_size() != 2 or not _tma_ready(out):
         return False
     stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
     return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
@@ -605,7 +642,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     tma_store = uses_tma_store(cfg, a.dtype, out, gate_up, quant_out)
     c_desc = b_desc
     if tma_store:
-        c_block = [cfg.block_m, cfg.block_n]
+        c_block = [cfg.block_m // (2 if cfg.warp_specialize == "split" else 1), cfg.block_n]
         c_desc = TensorDescriptor.from_tensor(out, c_block,
                                               gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
