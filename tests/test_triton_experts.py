@@ -784,12 +784,15 @@ def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
                            point(key, prec, bucket, [(a, 1.0), (b, 1.05)]),           # c missing: inf
                            point(key, prec, bucket, [(a, 2.0), (b, 1.0), (c, 1.0)])]  # a slow
     points.append(point("gate_up", "bf16", 128, [(c, 1.0)], indexed=True))  # one bucket: not enough
+    points += [point("gate_up", "fp8", bucket, [(a, 1.0), (c, 0.9)], indexed=True) for bucket in experts_tune.BUCKETS]
     table = experts_tune.build_table(points, "t")["tables"]
     committed = configs._table()
     for key, buckets in table.items():
         assert [bound for bound, _ in buckets] == [bound for bound, _ in committed[key]]
         for (bound, cfg), (_, old) in zip(buckets, committed[key]):
-            assert cfg == (b if bound >= 128 and not key.endswith("_indexed") else old.to_dict())
+            won = c if key == "gate_up_fp8_indexed" else b if not key.endswith("_indexed") else None
+            assert cfg == (won if bound >= 128 and won else old.to_dict())
+    assert any(bound < 128 for bound, _ in table["gate_up_fp8_indexed"])  # a hand-set indexed bucket stays
     assert set(table) == set(committed)
 
 

@@ -344,7 +344,8 @@ def choose(points: list[dict]) -> dict:
 
 
 def build_table(points: list[dict], comment: str) -> dict:
-    """The committed table with the buckets >= 128 replaced by the winners (and _indexed entries)."""
+    """The committed table with the buckets >= 128 replaced by the winners (and _indexed entries; their
+    hand-set buckets below 128 stay)."""
     base = configs_mod._table()
     winners = choose(points)
     tables = {}
@@ -357,8 +358,8 @@ def build_table(points: list[dict], comment: str) -> dict:
         for fp8 in (False, True):
             key = configs_mod.table_key(op, fp8, indexed=True)
             tuned = [[bound, winners[(key, bound)][0]] for bound in BUCKETS if (key, bound) in winners]
-            if len(tuned) == len(BUCKETS):
-                tables[key] = tuned
+            if len(tuned) == len(BUCKETS):  # (an entry's hand-set buckets below the tuned ones stay)
+                tables[key] = [[bound, cfg.to_dict()] for bound, cfg in base.get(key, []) if bound < BUCKETS[0]] + tuned
             elif key in base:
                 tables[key] = [[bound, cfg.to_dict()] for bound, cfg in base[key]]
     return {"comment": comment, "tables": tables}
