@@ -26,7 +26,7 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   last overlap MMAs. Without pipe_mma each block is waited for and promoted before the next is issued
   (gate-up: the gate's MMA, then the up's, into one register tile).
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
-(`Meta.tma_store`: 16-bit outputs of the cooperative schedule where the buffer fits beside the ring;
+(`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
 the next such epilogue); the other tiles store from registers with masks: rows past the expert's end
 (the next expert's rows, or TMA's zero fill past R) and columns past N are computed but never stored.
