@@ -126,7 +126,7 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
     out = torch.empty(1, 64, dtype=torch.float8_e4m3fn if quant_out else (
         torch.float32 if gate and fp8 else torch.bfloat16))
     tma_store = ws.uses_tma_store(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, quant_out)
-    c_block = [cfg.block_m // (2 if cfg.warp_specialize == "split" else 1), cfg.block_n]
+    c_block = ws.tma_store_block(cfg)
     c_desc = (f"tensordesc<bf16{c_block},{gl.NVMMASharedLayout.get_default_for(c_block, gl.bfloat16)!r}>"
               if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")
     signature = dict(

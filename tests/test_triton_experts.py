@@ -677,7 +677,8 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     if meta.tma_store:
         c_desc = bound["c_desc"]
         rows = cfg.block_m // (2 if schedule == "split" else 1)
-        assert list(c_desc.block_shape) == [rows, cfg.block_n] and list(c_desc.shape) == [R, N]
+        assert list(c_desc.block_shape) == [rows, cfg.block_n] == ws.tma_store_block(cfg)
+        assert list(c_desc.shape) == [R, N]
     assert (meta.schedule, meta.stages, meta.lanes) == (ws.SCHEDULES[cfg.warp_specialize], cfg.num_stages, 128)
     assert meta.pipe_blocks == (ws.pipe_blocks(K // 128, op == "gate_up") if fp8 and cfg.pipe_mma else 0)
 

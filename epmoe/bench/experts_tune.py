@@ -359,7 +359,8 @@ def build_table(points: list[dict], comment: str) -> dict:
             key = configs_mod.table_key(op, fp8, indexed=True)
             tuned = [[bound, winners[(key, bound)][0]] for bound in BUCKETS if (key, bound) in winners]
             if len(tuned) == len(BUCKETS):  # (an entry's hand-set buckets below the tuned ones stay)
-                tables[key] = [[bound, cfg.to_dict()] for bound, cfg in base.get(key, []) if bound < BUCKETS[0]] + tuned
+                hand_set = [[bound, cfg.to_dict()] for bound, cfg in base.get(key, []) if bound < BUCKETS[0]]
+                tables[key] = hand_set + tuned
             elif key in base:
                 tables[key] = [[bound, cfg.to_dict()] for bound, cfg in base[key]]
     return {"comment": comment, "tables": tables}

@@ -132,6 +132,7 @@ class Meta:
 
 @gluon.constexpr_function
 def _consumer_meta(meta, consumer):
+    # (a method call: the jit rejects a constexpr function whose body names dataclasses.replace)
     return meta.for_consumer(consumer)
 
 
@@ -605,10 +606,16 @@ def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, 
     """Whether a launch stores its full tiles by TMA: the cooperative or split schedule, a 16-bit TMA-ready
     output (not the fp8 h), and the ring's stages with the [block_m, block_n] output buffer (split: two
     halves) within the block's shared memory."""
-    if cfg.warp_specialize not in ("cooperative", "split") or quant_out or out.element_size() != 2 or not _tma_ready(out):
+    if (cfg.warp_specialize not in ("cooperative", "split") or quant_out or out.element_size() != 2
+            or not _tma_ready(out)):
         return False
     stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
     return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
+
+
+def tma_store_block(cfg) -> list[int]:
+    """The [rows, columns] one TMA store of the output writes: a tile, a split consumer's half of one."""
+    return [cfg.block_m // (2 if cfg.warp_specialize == "split" else 1), cfg.block_n]
 
 
 def pipe_blocks(k_tiles: int, gate_up: bool) -> int:
@@ -642,7 +649,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     tma_store = uses_tma_store(cfg, a.dtype, out, gate_up, quant_out)
     c_desc = b_desc
     if tma_store:
-        c_block = [cfg.block_m // (2 if cfg.warp_specialize == "split" else 1), cfg.block_n]
+        c_block = tma_store_block(cfg)
         c_desc = TensorDescriptor.from_tensor(out, c_block,
                                               gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
