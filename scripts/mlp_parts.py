@@ -1,0 +1,109 @@
+"""The whole fp8 (or bf16) expert MLP of `epmoe bench experts` against its two GEMMs timed apart.
+
+    python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096] [--quant fp8_block] [--rep-ms 20]
+
+Per point (exactly t rows per expert, the bench's inputs): do_bench medians (L2 flushed) of the gate-up
+alone, the down alone on the gate-up's own h, the down on random h of the same dtype and scale layout,
+and the whole MLP; the TFLOP/s the two parts would give together; and each kernel's mean time in
+back-to-back MLP calls (torch.profiler, L2 not flushed). Each timing's wall-clock span is printed, to
+line it up with a clock and power log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv
+-lms 20`). Shapes: epmoe.bench.experts.SHAPES.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from datetime import datetime
+
+import torch
+
+from epmoe.bench.experts import SHAPES, random_weights, time_ms, uniform_rows
+from epmoe.kernels.grouped_gemm import down, gate_up
+from epmoe.kernels.quant import quantize_act
+from epmoe.quant import quantize_weights_ref
+
+
+def clock() -> str:
+    """Local wall time to the ms, as nvidia-smi's timestamp column prints it."""
+    return datetime.now().strftime("%H:%M:%S.%f")[:-3]
+
+
+def kernel_us(fn, calls: int) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel fn launches, over `calls` back-to-back calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name[:70]] += ev.device_time / calls
+    return dict(total)
+
+
+def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
+    D, F, L = SHAPES[name]
+    L = min(L, max_rows // t)
+    dev = torch.device("cuda")
+    w13, w2 = random_weights(L, D, F, dev)
+    rows, _ = uniform_rows(L, t, dev)
+    x = torch.randn(L * t, D, dtype=torch.bfloat16, device=dev)
+    if fp8:
+        q13, s13 = quantize_weights_ref(w13)
+        q2, s2 = quantize_weights_ref(w2)
+        xq, xs = quantize_act(x)
+        h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
+        h_rand, hs_rand = quantize_act(torch.randn(L * t, F, dtype=torch.bfloat16, device=dev))
+
+        def up():
+            return gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
+
+        def dn(a=h, a_s=hs):
+            return down(a, q2, rows, h_scale_RG=a_s, w2_scale=s2, out_dtype=torch.bfloat16)
+
+        def mlp():
+            a, a_s = up()
+            return dn(a, a_s)
+        dn_rand = lambda: dn(h_rand, hs_rand)  # noqa: E731
+    else:
+        h, _ = gate_up(x, w13, rows)
+        h_rand = torch.randn_like(h)
+        up = lambda: gate_up(x, w13, rows)  # noqa: E731
+        dn = lambda a=h: down(a, w2, rows)  # noqa: E731
+        mlp = lambda: dn(up()[0])  # noqa: E731
+        dn_rand = lambda: dn(h_rand)  # noqa: E731
+    R = L * t
+    fl_up, fl_dn = 4.0 * R * D * F, 2.0 * R * D * F
+    ms = {}
+    for k, f in (("gate_up", up), ("down", dn), ("down_random_h", dn_rand), ("mlp", mlp)):
+        t0 = clock()
+        ms[k] = time_ms(f, rep_ms)
+        print(f"# {k}: local time {t0} - {clock()}", flush=True)
+    tf = lambda flops, m: flops / m / 1e9  # noqa: E731
+    print(f"## {name} t={t} L={L} {'fp8' if fp8 else 'bf16'}")
+    print(f"gate_up {ms['gate_up'] * 1e3:8.1f} us {tf(fl_up, ms['gate_up']):6.0f} TFLOP/s")
+    print(f"down    {ms['down'] * 1e3:8.1f} us {tf(fl_dn, ms['down']):6.0f} TFLOP/s"
+          f"   (random h: {ms['down_random_h'] * 1e3:.1f} us, {tf(fl_dn, ms['down_random_h']):.0f})")
+    parts = ms["gate_up"] + ms["down"]
+    print(f"mlp     {ms['mlp'] * 1e3:8.1f} us {tf(fl_up + fl_dn, ms['mlp']):6.0f} TFLOP/s"
+          f"   parts summed {parts * 1e3:.1f} us {tf(fl_up + fl_dn, parts):.0f}")
+    for k, us in sorted(kernel_us(mlp, 20).items(), key=lambda kv: -kv[1]):
+        print(f"   kernel {us:8.1f} us  {k}")
+    del w13, w2
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--points", nargs="+", default=["qwen3-30b:1024", "dsv3-256:4096"], help="shape:t pairs")
+    p.add_argument("--quant", default="fp8_block", choices=["bf16", "fp8_block"])
+    p.add_argument("--rep-ms", type=int, default=20)
+    p.add_argument("--max-rows", type=int, default=131072)
+    args = p.parse_args()
+    for point in args.points:
+        name, t = point.split(":")
+        run_point(name, int(t), args.quant == "fp8_block", args.rep_ms, args.max_rows)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
