@@ -48,48 +48,43 @@ def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
     w13, w2 = random_weights(L, D, F, dev)
     rows, _ = uniform_rows(L, t, dev)
     x = torch.randn(L * t, D, dtype=torch.bfloat16, device=dev)
-    if fp8:
-        q13, s13 = quantize_weights_ref(w13)
-        q2, s2 = quantize_weights_ref(w2)
-        xq, xs = quantize_act(x)
-        h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
-        h_rand, hs_rand = quantize_act(torch.randn(L * t, F, dtype=torch.bfloat16, device=dev))
-
-        def up():
-            return gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
-
-        def dn(a=h, a_s=hs):
-            return down(a, q2, rows, h_scale_RG=a_s, w2_scale=s2, out_dtype=torch.bfloat16)
-
-        def mlp():
-            a, a_s = up()
-            return dn(a, a_s)
-        dn_rand = lambda: dn(h_rand, hs_rand)  # noqa: E731
+    h_random = torch.randn(L * t, F, dtype=torch.bfloat16, device=dev)
+    if fp8:  # weights and x as `bench experts` quantizes them; h in the gate-up's fp8 and scale layout
+        (w13, s13), (w2, s2) = quantize_weights_ref(w13), quantize_weights_ref(w2)
+        x, xs = quantize_act(x)
+        h_random, hs_random = quantize_act(h_random)
     else:
-        h, _ = gate_up(x, w13, rows)
-        h_rand = torch.randn_like(h)
-        up = lambda: gate_up(x, w13, rows)  # noqa: E731
-        dn = lambda a=h: down(a, w2, rows)  # noqa: E731
-        mlp = lambda: dn(up()[0])  # noqa: E731
-        dn_rand = lambda: dn(h_rand)  # noqa: E731
+        s13 = s2 = xs = hs_random = None
+
+    def up():
+        return gate_up(x, w13, rows, x_scale_RG=xs, w13_scale=s13)
+
+    def dn(h, hs):
+        return down(h, w2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16)
+
+    h, hs = up()
+    parts = {"gate_up": up, "down": lambda: dn(h, hs), "down_random_h": lambda: dn(h_random, hs_random),
+             "mlp": lambda: dn(*up())}
     R = L * t
     fl_up, fl_dn = 4.0 * R * D * F, 2.0 * R * D * F
     ms = {}
-    for k, f in (("gate_up", up), ("down", dn), ("down_random_h", dn_rand), ("mlp", mlp)):
+    for k, f in parts.items():
         t0 = clock()
         ms[k] = time_ms(f, rep_ms)
         print(f"# {k}: local time {t0} - {clock()}", flush=True)
-    tf = lambda flops, m: flops / m / 1e9  # noqa: E731
+
+    def tf(flops: float, ms_: float) -> float:
+        return flops / ms_ / 1e9
+
     print(f"## {name} t={t} L={L} {'fp8' if fp8 else 'bf16'}")
     print(f"gate_up {ms['gate_up'] * 1e3:8.1f} us {tf(fl_up, ms['gate_up']):6.0f} TFLOP/s")
     print(f"down    {ms['down'] * 1e3:8.1f} us {tf(fl_dn, ms['down']):6.0f} TFLOP/s"
           f"   (random h: {ms['down_random_h'] * 1e3:.1f} us, {tf(fl_dn, ms['down_random_h']):.0f})")
-    parts = ms["gate_up"] + ms["down"]
+    summed = ms["gate_up"] + ms["down"]
     print(f"mlp     {ms['mlp'] * 1e3:8.1f} us {tf(fl_up + fl_dn, ms['mlp']):6.0f} TFLOP/s"
-          f"   parts summed {parts * 1e3:.1f} us {tf(fl_up + fl_dn, parts):.0f}")
-    for k, us in sorted(kernel_us(mlp, 20).items(), key=lambda kv: -kv[1]):
+          f"   parts summed {summed * 1e3:.1f} us {tf(fl_up + fl_dn, summed):.0f}")
+    for k, us in sorted(kernel_us(parts["mlp"], 20).items(), key=lambda kv: -kv[1]):
         print(f"   kernel {us:8.1f} us  {k}")
-    del w13, w2
 
 
 def main() -> None:
