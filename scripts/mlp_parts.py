@@ -12,7 +12,6 @@ line it up with a clock and power log (`nvidia-smi --query-gpu=timestamp,clocks.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from datetime import datetime
 
 import torch
@@ -21,24 +20,12 @@ from epmoe.bench.experts import SHAPES, random_weights, time_ms, uniform_rows
 from epmoe.kernels.grouped_gemm import down, gate_up
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import quantize_weights_ref
+from moe_profile import kernel_us  # scripts/, on sys.path as the running script's folder
 
 
 def clock() -> str:
     """Local wall time to the ms, as nvidia-smi's timestamp column prints it."""
     return datetime.now().strftime("%H:%M:%S.%f")[:-3]
-
-
-def kernel_us(fn, calls: int) -> dict[str, float]:
-    """Mean µs per call of each CUDA kernel fn launches, over `calls` back-to-back calls."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            total[ev.name[:70]] += ev.device_time / calls
-    return dict(total)
 
 
 def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
@@ -84,7 +71,7 @@ def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
     print(f"mlp     {ms['mlp'] * 1e3:8.1f} us {tf(fl_up + fl_dn, ms['mlp']):6.0f} TFLOP/s"
           f"   parts summed {summed * 1e3:.1f} us {tf(fl_up + fl_dn, summed):.0f}")
     for k, us in sorted(kernel_us(parts["mlp"], 20).items(), key=lambda kv: -kv[1]):
-        print(f"   kernel {us:8.1f} us  {k}")
+        print(f"   kernel {us:8.1f} us  {k[:70]}")
 
 
 def main() -> None:

@@ -12,12 +12,26 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from epmoe.bench.moe import SHAPES, layer_config, make_weights
 from epmoe.layer import FusedMoE
+
+
+def kernel_us(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """Mean µs per call of each CUDA kernel that fn launches, over `calls` back-to-back calls (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] += e.device_time / calls
+    return dict(per_kernel)
 
 
 def main() -> None:
@@ -54,14 +68,7 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         gpu_us = start.elapsed_time(end) / args.calls * 1e3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.calls):
-                moe(x, weights_TK=w, ids_TK=ids)
-            torch.cuda.synchronize()
-        per_kernel: dict[str, float] = defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[e.name] += e.device_time / args.calls
+        per_kernel = kernel_us(lambda: moe(x, weights_TK=w, ids_TK=ids), args.calls)
         total = sum(per_kernel.values())
         print(f"\n{args.shape} T={T} {args.quant} experts={args.experts}: GPU {gpu_us:.1f} us/call, "
               f"host {host_us:.1f} us/call, kernels {total:.1f} us/call")
