@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -37,35 +36,11 @@ from epmoe.kernels.layout import sort_pairs
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref
 from epmoe.testing import rel_error
+from epmoe.timing import gpu_us
 
 COPY_BYTES_PER_S = 4.16e12
 PEAK_FLOPS = {"bf16": 686e12, "fp8_block": 1276e12}
 SMEM_BYTES = 200 * 1024
-SPIN_CLOCK_HZ = 1.98e9  # the H200's top SM clock: torch.cuda._sleep counts cycles
-
-
-def _time_us(fn, iters: int) -> float:
-    """GPU µs of fn(): the mean of `iters` back-to-back calls, all queued behind a spin kernel that outlasts
-    the host's queueing of them (a decode-sized fp8 GEMM takes the GPU less time than its launch takes
-    the host, so calls timed at the host's pace measure the host)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    host_s = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for spin in (2, 8, 32):  # a longer spin where the host was slower than its first call said
-        torch.cuda._sleep(int(spin * iters * host_s * SPIN_CLOCK_HZ))
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        spin_over = start.query()  # before every call was queued: the GPU waited for the host
-        torch.cuda.synchronize()
-        if not spin_over:
-            return start.elapsed_time(end) / iters * 1e3
-    raise RuntimeError("the calls were queued slower than a spin 32x their host time: no GPU-paced time")
 
 
 def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
@@ -194,7 +169,7 @@ def main() -> None:
             floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
             pool = (candidates(table_cfg.block_m, op == "gate_up", fp8) if args.pool == "pointer"
                     else prefill_candidates(op == "gate_up"))
-            table_first_us = _time_us(lambda: run(None), args.iters)
+            table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []
             for cfg in pool:
                 try:
@@ -207,11 +182,11 @@ def main() -> None:
                 if err > 1e-2:
                     print(f"  {op} {cfg.to_dict()} wrong: rel err {err:.3g}", flush=True)
                     continue
-                timed.append((_time_us(lambda c=cfg: run(c), args.iters), cfg))
+                timed.append((gpu_us(lambda c=cfg: run(c), args.iters), cfg))
             # the table's config timed again last: the same config measured up to 36% apart timed first and
             # after the candidates with bench moe's timer (DeepSeek-V2-Lite down at 2048 tokens, one H200),
             # within 3% with the spin's (the fp8 run of 2026-12-04)
-            table_us = _time_us(lambda: run(None), args.iters)
+            table_us = gpu_us(lambda: run(None), args.iters)
             timed.sort(key=lambda t: t[0])
             best_us, best = timed[0]
             print(f"{name} T={T} {args.quant} {op}: rows/expert max {max(counts)} mean {T * shape.top_k / shape.num_experts:.1f}; "
