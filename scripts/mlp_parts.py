@@ -2,9 +2,9 @@
 
     python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096] [--quant fp8_block] [--rep-ms 20]
 
-Per point (exactly t rows per expert, the bench's inputs): do_bench medians (L2 flushed) of the gate-up
-alone, the down alone on the gate-up's own h, the down on random h of the same dtype and scale layout,
-and the whole MLP; the TFLOP/s the two parts would give together; and each kernel's mean time in
+Per point (exactly t rows per expert, the bench's inputs): medians (L2 flushed, GPU-paced: the bench's
+`time_ms`) of the gate-up alone, the down alone on the gate-up's own h, the down on random h of the same
+dtype and scale layout, and the whole MLP; the TFLOP/s the two parts would give together; and each kernel's mean time in
 back-to-back MLP calls (torch.profiler, L2 not flushed). Each timing's wall-clock span is printed, to
 line it up with a clock and power log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv
 -lms 20`). Shapes: epmoe.bench.experts.SHAPES.

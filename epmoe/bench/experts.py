@@ -3,7 +3,9 @@
 Shape letters: L local experts, t rows (tokens) per expert, R = L*t rows, D hidden size, F intermediate size.
 
 One expert MLP is y = (silu(x W1^T) * (x W3^T)) W2^T: 6*R*D*F flops. For each model shape and t it
-times, in one run (median of do_bench repeats, L2 flushed before each repeat, random data):
+times, in one run (median over calls, L2 flushed before each, random data; `epmoe.timing.flushed_ms`: timed as
+triton.testing.do_bench times them, but queued behind a GPU spin, so that a call whose launches take the host
+longer than the flush takes the GPU is timed by the GPU, not at the host's pace):
   triton_bf16      gate-up (SiLU-and-mul fused) + down, contiguous layout
   triton_bf16_bat  the same on the batched layout [L, t, D] (decode sizes, t <= 64)
   triton_fp8       fp8 block: x already quantized (as a dispatcher sends it), h quantized in the
@@ -36,12 +38,12 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
 from ..kernels import configs as configs_mod
 from ..kernels.grouped_gemm import ExpertRows, down, gate_up
 from ..kernels.quant import quantize_act
 from ..quant import quantize_weights_ref
+from ..timing import flushed_ms
 from . import experts_tune
 
 PEAK_BF16_TFLOPS = 686.0   # dense bf16 8192^3 matmul on one H200 (BENCHMARKS.md, machines)
@@ -79,8 +81,8 @@ def mlp_floor(R: int, L: int, D: int, F: int, fp8: bool) -> Floor:
 
 
 def time_ms(fn, rep_ms: int) -> float:
-    """Median ms of fn after warm-up; do_bench flushes L2 before each repeat."""
-    return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+    """Median GPU ms of fn over the calls that fill rep_ms, L2 flushed before each (`flushed_ms`)."""
+    return flushed_ms(fn, rep_ms)
 
 
 def random_weights(L: int, D: int, F: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help="rows per expert to sweep")
     p.add_argument("--max-rows", type=int, default=131072, help="cap on total rows per point (see L_run)")
-    p.add_argument("--rep-ms", type=int, default=40, help="do_bench time budget per measurement")
+    p.add_argument("--rep-ms", type=int, default=40, help="time budget (ms of calls) per measurement")
     p.add_argument("--tune", action="store_true", help="tune launch configs and write configs.json "
                    "(epmoe/bench/experts_tune.py)")
     p.add_argument("--workers", type=int, default=8, help="--tune: processes checking (and compiling) candidates")

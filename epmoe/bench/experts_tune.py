@@ -12,7 +12,8 @@ the committed entry first) is
    compile every kernel, go to --workers processes at once, within --check-s seconds in all: a
    candidate that fails, errs, faults or hangs there is recorded and never timed;
 2. timed at each of the bucket's points (`POINTS`: shape and t, exactly t rows per expert, x already
-   quantized for fp8), median of do_bench repeats with L2 flushed, beside torch._grouped_mm and a dense
+   quantized for fp8), median over calls with L2 flushed before each (`epmoe.timing.flushed_ms`: GPU-paced,
+   so that the warp-specialized kernel's longer host launch does not count against it), beside torch._grouped_mm and a dense
    cuBLAS matmul of the same total size (bf16), or a dense torch._scaled_mm (fp8, one scale per tensor).
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
 through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the
@@ -37,13 +38,13 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
 from ..kernels import configs as configs_mod
 from ..kernels.configs import GemmConfig
 from ..kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_ref
 from ..kernels.quant import quantize_act
 from ..quant import dequantize_act_ref, quantize_act_ref, quantize_weights_ref
+from ..timing import flushed_ms
 
 BUCKETS = (128, 256, 1_000_000_000)  # the table's bounds tuned here (rows per expert)
 # (shape, t) points each bucket is tuned on; shapes as in epmoe.bench.experts.SHAPES.
@@ -242,7 +243,7 @@ def run_checks(waves: list[list[dict]], workers: int, budget_s: float) -> list[l
 
 
 def _time_ms(fn, rep_ms: int) -> float:
-    return triton.testing.do_bench(fn, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
+    return flushed_ms(fn, rep_ms)
 
 
 class _Watchdog:
