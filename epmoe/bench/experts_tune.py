@@ -13,7 +13,7 @@ the committed entry first) is
    candidate that fails, errs, faults or hangs there is recorded and never timed;
 2. timed at each of the bucket's points (`POINTS`: shape and t, exactly t rows per expert, x already
    quantized for fp8), median over calls with L2 flushed before each (`epmoe.timing.flushed_ms`: GPU-paced,
-   so that the warp-specialized kernel's longer host launch does not count against it), beside torch._grouped_mm and a dense
+   so that no candidate's host launch time counts against it), beside torch._grouped_mm and a dense
    cuBLAS matmul of the same total size (bf16), or a dense torch._scaled_mm (fp8, one scale per tensor).
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
 through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the
