@@ -7,10 +7,15 @@ hands it to the down). Candidates (--pool): "pointer", pointer-kernel tiles with
 block_m (so that an expert's rows take as many row tiles as with the table's); "prefill" (bf16), for the
 tuned buckets (128 rows and up) on routed counts, where an expert's rows past a multiple of the row tile
 take a tile more (`epmoe bench experts --tune` times exactly t rows per expert): the tuner's
-warp-specialized and pointer candidates, and 64-row tiles of both kernels.
+warp-specialized and pointer candidates, and 64-row tiles of both kernels; "ws", for the decode buckets:
+the warp-specialized kernel's 64-row tiles (cooperative and interleaved; and the split schedule's 128-row
+tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "table",
+none (the table's config alone, to compare tables). --contiguous: the gate-up reads a copy of the routed
+rows in order (as `epmoe bench experts` times it, with the plain table's entries) instead of through the
+row index (the `_indexed` entries).
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
-        [--pool pointer|prefill] [--out DIR]
+        [--pool pointer|prefill|ws|table] [--contiguous] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
@@ -28,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES
+from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
 from epmoe.bench.moe import SHAPES
 from epmoe.kernels.configs import GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
+from epmoe.kernels.grouped_gemm_ws import SHARED_BYTES
 from epmoe.kernels.layout import sort_pairs
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref
@@ -73,9 +79,33 @@ def prefill_candidates(gate: bool) -> list[GemmConfig]:
     return list(dict.fromkeys(pool))
 
 
-def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool) -> tuple[dict, list]:
+def ws_candidates(gate: bool, fp8: bool, gathered: bool) -> list[GemmConfig]:
+    """Warp-specialized tiles for the decode buckets: 64-row tiles of the cooperative schedule (one 8-warp
+    consumer) and of the interleaved one (two 4-warp consumers, a tile each; not for a gate-up), and the
+    split schedule's 128-row tiles (64 rows a consumer), whose ring stages fit in the block's shared memory.
+    fp8 takes 128-deep K blocks and, in a gate-up, 128-column tiles (h quantized in the epilogue), with and
+    without pipe_mma (not on two interleaved consumers, nor a split gate-up: they spill, as in the tuner);
+    no split fp8 gate-up through a row index (its loader spills)."""
+    bk = 128 if fp8 else 64
+    ns = (128,) if gate else (64, 128) if fp8 else (128, 256)
+    pool = []
+    for schedule, bm in (("cooperative", 64), ("interleaved", 64), ("split", 128)):
+        if gate and (schedule == "interleaved" or (fp8 and schedule == "split" and gathered)):
+            continue
+        for bn, stages, pipe in itertools.product(ns, (4, 5) if gate else (4, 6), (False, True) if fp8 else (False,)):
+            if pipe and (schedule == "interleaved" or (schedule == "split" and gate)):
+                continue
+            if (bm + (2 if gate else 1) * bn) * bk * (1 if fp8 else 2) * stages + 1024 > SHARED_BYTES:
+                continue
+            pool.append(ws_config(schedule, bm, bn, bk, stages, pipe))
+    return pool
+
+
+def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool,
+              contiguous: bool = False) -> tuple[dict, list]:
     """{op: (run(cfg), the output of run(cfg) to check, reference, hit experts' weight bytes, the table's
-    config)} of one point, and the experts' row counts."""
+    config)} of one point, and the experts' row counts. contiguous: the gate-up reads a copy of the routed
+    rows in order, not the rows through the row index."""
     E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
     w13, w2 = weights["w13"], weights["w2"]
     x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
@@ -87,12 +117,15 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
     rows_n = sum(counts)  # the experts' rows, [0, offsets_L1[L]) of the batch
     mean = -(-T * K // E)
     item = 1 if fp8 else 2
+    x_rows = lay.rows_N
+    if contiguous:
+        x, x_rows = x[lay.rows_N.long()], None
     if fp8:
         xq, xs = quantize_act(x)
         s13, s2 = weights["s13"], weights["s2"]
 
         def up(cfg):
-            return gate_up(xq, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=lay.rows_N, config=cfg)
+            return gate_up(xq, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows, config=cfg)
 
         h_ref, hs_ref = up(None)
 
@@ -105,7 +138,7 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
                         out_dtype=torch.bfloat16, config=cfg)[:rows_n]
     else:
         def up(cfg):
-            return gate_up(x, w13, rows, x_rows_R=lay.rows_N, config=cfg)[0][:rows_n]
+            return gate_up(x, w13, rows, x_rows_R=x_rows, config=cfg)[0][:rows_n]
 
         up_out = up
 
@@ -115,7 +148,8 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
             return down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16, config=cfg)[:rows_n]
 
     def table(op):
-        return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True, indexed=op == "gate_up", scattered=True)
+        return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True, indexed=op == "gate_up" and not contiguous,
+                           scattered=True)
 
     ops = {"gate_up": (up, up_out, up_out(None), hit * 2 * F * D * item, table("gate_up")),
            "down": (dn, dn, dn(None), hit * D * F * item, table("down"))}
@@ -145,13 +179,15 @@ def main() -> None:
                                                     "deepseek-v3:256", "qwen3-30b-a3b:1024", "deepseek-v2-lite:1024",
                                                     "mixtral-8x7b:128", "deepseek-v3:1024"])
     p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
-    p.add_argument("--pool", choices=["pointer", "prefill"], default="pointer")
+    p.add_argument("--pool", choices=["pointer", "prefill", "ws", "table"], default="pointer",
+                   help="table: no candidates, the table's config timed first and last")
+    p.add_argument("--contiguous", action="store_true", help="the gate-up reads the routed rows copied in order")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     fp8 = args.quant == "fp8_block"
-    if fp8 and args.pool != "pointer":
-        p.error("--quant fp8_block sweeps the pointer pool only")
+    if fp8 and args.pool == "prefill":
+        p.error("--quant fp8_block sweeps the pointer and ws pools only")
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
     results = []
@@ -162,13 +198,15 @@ def main() -> None:
         if name not in weights:
             weights = {name: make_weights(shape, g, dev, fp8)}  # one shape's weights at a time
         D, F = shape.hidden_size, shape.intermediate_size
-        ops, counts = point_ops(shape, T, weights[name], g, dev, fp8)
+        ops, counts = point_ops(shape, T, weights[name], g, dev, fp8, args.contiguous)
         rows_n = sum(counts)
         for op, (run, checked, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
             floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
-            pool = (candidates(table_cfg.block_m, op == "gate_up", fp8) if args.pool == "pointer"
-                    else prefill_candidates(op == "gate_up"))
+            gate = op == "gate_up"
+            pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
+                    else ws_candidates(gate, fp8, gate and not args.contiguous) if args.pool == "ws"
+                    else prefill_candidates(gate) if args.pool == "prefill" else [])
             table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []
             for cfg in pool:
@@ -188,14 +226,15 @@ def main() -> None:
             # within 3% with the spin's (the fp8 run of 2026-12-04)
             table_us = gpu_us(lambda: run(None), args.iters)
             timed.sort(key=lambda t: t[0])
-            best_us, best = timed[0]
+            best_us, best = timed[0] if timed else (table_us, table_cfg)
             print(f"{name} T={T} {args.quant} {op}: rows/expert max {max(counts)} mean {T * shape.top_k / shape.num_experts:.1f}; "
                   f"table {table_us:.1f} us (first {table_first_us:.1f}; {100 * floor_us / table_us:.0f}% floor) "
                   f"{table_cfg.to_dict()}; best {best_us:.1f} us ({100 * floor_us / best_us:.0f}%) {best.to_dict()}",
                   flush=True)
             for us, cfg in timed[1:5]:
                 print(f"    {us:.1f} us {cfg.to_dict()}")
-            results.append({"shape": name, "T": T, "quant": args.quant, "op": op, "floor_us": floor_us,
+            results.append({"shape": name, "T": T, "quant": args.quant, "contiguous": args.contiguous, "op": op,
+                            "floor_us": floor_us,
                             "table_us": table_us, "table_first_us": table_first_us, "table": table_cfg.to_dict(),
                             "timed": [{"us": us, "config": cfg.to_dict()} for us, cfg in timed]})
         if args.out:

@@ -59,7 +59,9 @@ TOP_K = 8  # an indexed gate-up reads R rows from S = R / TOP_K source rows
 CHECK_EXPERTS = 16
 
 
-def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) -> GemmConfig:
+def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) -> GemmConfig:
+    """A warp-specialized launch config: an m x n x k tile on `schedule` with `stages` ring stages (8 consumer
+    warps cooperative, else 4; GROUP_M 8); pipe: pipe_mma (fp8)."""
     return GemmConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=8 if schedule == "cooperative" else 4,
                       num_stages=stages, warp_specialize=schedule, pipe_mma=pipe)
 
@@ -78,16 +80,16 @@ def _ws(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) 
 # on the H200 (an unspecified launch failure at Mixtral-8x7B's shape, a wrong result at V2-Lite's: rel.
 # error 0.032), never reproduced and never understood; it won no bucket.
 WS_CANDIDATES = {
-    ("gate_up", False): (_ws("cooperative", 128, 128, 64, 4), _ws("split", 128, 128, 64, 4)),
-    ("down", False): (_ws("cooperative", 128, 256, 64, 4), _ws("cooperative", 128, 256, 64, 3),
-                      _ws("cooperative", 128, 128, 64, 6),
-                      _ws("interleaved", 128, 128, 64, 6), _ws("split", 128, 256, 64, 3),
-                      _ws("split", 128, 128, 64, 6)),
-    ("gate_up", True): (_ws("cooperative", 64, 128, 128, 5, pipe=True), _ws("cooperative", 128, 128, 128, 4),
-                        _ws("interleaved", 64, 64, 128, 8), _ws("split", 128, 128, 128, 4)),
-    ("down", True): (_ws("cooperative", 128, 128, 128, 6, pipe=True), _ws("cooperative", 128, 128, 128, 6),
-                     _ws("interleaved", 64, 128, 128, 8), _ws("split", 128, 128, 128, 6),
-                     _ws("split", 128, 128, 128, 6, pipe=True)),
+    ("gate_up", False): (ws_config("cooperative", 128, 128, 64, 4), ws_config("split", 128, 128, 64, 4)),
+    ("down", False): (ws_config("cooperative", 128, 256, 64, 4), ws_config("cooperative", 128, 256, 64, 3),
+                      ws_config("cooperative", 128, 128, 64, 6),
+                      ws_config("interleaved", 128, 128, 64, 6), ws_config("split", 128, 256, 64, 3),
+                      ws_config("split", 128, 128, 64, 6)),
+    ("gate_up", True): (ws_config("cooperative", 64, 128, 128, 5, pipe=True), ws_config("cooperative", 128, 128, 128, 4),
+                        ws_config("interleaved", 64, 64, 128, 8), ws_config("split", 128, 128, 128, 4)),
+    ("down", True): (ws_config("cooperative", 128, 128, 128, 6, pipe=True), ws_config("cooperative", 128, 128, 128, 6),
+                     ws_config("interleaved", 64, 128, 128, 8), ws_config("split", 128, 128, 128, 6),
+                     ws_config("split", 128, 128, 128, 6, pipe=True)),
 }
 # Pointer-kernel candidates beside the committed entry: one 128-row tile per expert at 128 rows (each
 # weight tile read once).
@@ -97,11 +99,11 @@ POINTER_CANDIDATES = {
     ("down", False): (), ("gate_up", True): (), ("down", True): (),
 }
 INDEXED_CANDIDATES = {
-    False: (_ws("cooperative", 128, 128, 64, 4), _ws("split", 128, 128, 64, 4),
+    False: (ws_config("cooperative", 128, 128, 64, 4), ws_config("split", 128, 128, 64, 4),
             GemmConfig(block_m=64, block_n=128, block_k=64, group_m=4, num_warps=4, num_stages=4),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tma=True)),
-    True: (_ws("cooperative", 64, 128, 128, 5, pipe=True),
+    True: (ws_config("cooperative", 64, 128, 128, 5, pipe=True),
            GemmConfig(block_m=64, block_n=128, block_k=128, group_m=4, num_warps=8, num_stages=4),
            GemmConfig(block_m=128, block_n=128, block_k=128, group_m=16, num_warps=8, num_stages=3)),
 }
