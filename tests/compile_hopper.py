@@ -72,18 +72,22 @@ def wgmma_serialized(kernel) -> bool:
     return "C7514" in log
 
 
-def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool):
+def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None):
     """The pointer kernel as the launcher runs it for rows-per-expert bucket `bound`: batched up to 64
-    rows, contiguous above (gate-up: through a row index, with the `_indexed` entry); a warp-specialized
-    entry's `pointer_variant` (which serves fp32 and rows read through an index)."""
+    rows, contiguous above (gate-up: through a row index, with the `_indexed` entry; gather: through a
+    row index at any bound); a warp-specialized entry's `pointer_variant` (which serves fp32 and rows read
+    through an index)."""
     from epmoe.kernels import configs
     from epmoe.kernels.grouped_gemm import _grouped_gemm_kernel
     fp8 = dtype == "fp8e4nv"
     gate = op == "gate_up"
-    gather = gate and bound > 64
+    gather = gate and bound > 64 if gather is None else gather
     element_size = 4 if dtype == "fp32" else 2
     cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, element_size=element_size,
-                              indexed=gather).pointer_variant(1 if fp8 else element_size)
+                              indexed=gather)
+    if gather and bound <= configs.HAND_SET_ROWS:  # an `_indexed` table's own hand-set bucket
+        cfg = next(c for b, c in configs._table()[configs.table_key(op, fp8, indexed=True)] if bound <= b)
+    cfg = cfg.pointer_variant(1 if fp8 else element_size)
     quant_out = gate and fp8 and cfg.block_n == 128
     a = "*bf16" if quant_a else f"*{dtype}"
     c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
@@ -98,7 +102,7 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool):
     descriptors = {name: None for name in ("a_desc", "b_desc") if name not in signature}
     constexprs = dict(
         descriptors, TMA_A="a_desc" in signature, TMA_B="b_desc" in signature,
-        BATCHED=bound <= 64, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
+        BATCHED=bound <= 64 and not gather, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
         TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
         EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SCALE_GROUP=128)
@@ -174,12 +178,17 @@ MEASURED_SPILLS_B = {("gate_up", "fp8e4nv", (128, 128, 128, 8, 3)): 24}
 
 def pointer_jobs() -> list:
     from epmoe.kernels import configs
-    jobs = [("pointer", op, dtype, bound, False) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
+    jobs = [("pointer", op, dtype, bound, False, None) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
             for bound, _ in configs._table()[configs.table_key(op, dtype == "fp8e4nv")]]
-    # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks)
-    jobs += [("pointer", "gate_up", "fp8e4nv", bound, True)
+    # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks; a warp-specialized
+    # entry's pointer variant: that kernel takes x quantized before)
+    jobs += [("pointer", "gate_up", "fp8e4nv", bound, True, None)
              for bound, cfg in configs._table()[configs.table_key("gate_up", True)]
-             if bound <= 64 and cfg.block_k == 128 and cfg.warp_specialize is None]
+             if bound <= configs.HAND_SET_ROWS and cfg.block_k == 128]
+    # the `_indexed` tables' own hand-set pointer entries, reading rows through the index
+    jobs += [("pointer", "gate_up", dtype, bound, False, True) for dtype in ("bf16", "fp8e4nv")
+             for bound, cfg in configs._table().get(configs.table_key("gate_up", dtype == "fp8e4nv", True), ())
+             if bound <= configs.HAND_SET_ROWS and cfg.warp_specialize is None]
     return jobs
 
 
@@ -197,9 +206,10 @@ def run_job(job) -> tuple[str, list[str]]:
         serialized = wgmma_serialized(kernel)
         check_spills = True
     else:
-        _, op, dtype, bound, quant_a = job
-        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a)
-        tag = f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''} rows<={bound} {cfg}"
+        _, op, dtype, bound, quant_a, gather = job
+        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather)
+        tag = (f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''}{' gather' if gather else ''} "
+               f"rows<={bound} {cfg}")
         serialized = False
         check_spills = dtype != "fp32"  # float32 is a correctness path, not a fast one
     spills, shared = spill_bytes(kernel), kernel.metadata.shared

@@ -401,25 +401,30 @@ def test_config_table_is_valid_and_choice_is_pure():
             assert gemm_config(op, fp8=fp8, rows_hint=1, on_gpu=True) == buckets[0][1]
             assert gemm_config(op, fp8=fp8, rows_hint=10 ** 12, on_gpu=True) == buckets[-1][1]
     assert gemm_config("down", fp8=False, rows_hint=64, on_gpu=False) == configs.INTERPRETER_CONFIG
+    hand_set = configs.HAND_SET_ROWS
     for fp8 in (False, True):  # routed rows: the hand-set buckets for `routed_rows`, the tuned entries above
-        plain, tuned = (configs._table()[configs.table_key("gate_up", fp8, indexed=i)] for i in (False, True))
-        hand_set = max(bound for bound, _ in plain if bound < tuned[0][0])
-        assert hand_set == configs.HAND_SET_ROWS
-        for rows in (1, 5, 12, 16, 32, hand_set - 8, hand_set - 4, hand_set, 100, 10 ** 6):
+        plain, indexed = (configs._table()[configs.table_key("gate_up", fp8, indexed=i)] for i in (False, True))
+        own = [(bound, cfg) for bound, cfg in indexed if bound <= hand_set]  # the indexed table's hand-set buckets
+        tuned = indexed[len(own):]
+        assert max(bound for bound, _ in plain if bound < tuned[0][0]) == hand_set
+        assert not own or own[-1][0] == hand_set  # (they cover every hand-set routed_rows)
+        for rows in (1, 5, 8, 12, 16, 32, hand_set - 8, hand_set - 4, hand_set, 100, 10 ** 6):
             wide = configs.routed_rows(rows)
             for op in configs.OPS:  # rows in order (scattered): the plain table
                 want = gemm_config(op, fp8=fp8, rows_hint=wide if wide <= hand_set else rows, on_gpu=True)
                 assert gemm_config(op, fp8=fp8, rows_hint=rows, on_gpu=True, scattered=True) == want, (op, rows)
-            # through a row index: the pointer variant of the plain entry, or the indexed entry as it is (the
-            # warp-specialized ones gather the rows themselves)
-            want = (next(cfg for bound, cfg in plain if wide <= bound).pointer_variant(1 if fp8 else 2)
+            # through a row index: the indexed table's hand-set entry, else the pointer variant of the plain one;
+            # above, the tuned indexed entry as it is (the warp-specialized ones gather the rows themselves)
+            want = (next(cfg for bound, cfg in own if wide <= bound) if wide <= hand_set and own else
+                    next(cfg for bound, cfg in plain if wide <= bound).pointer_variant(1 if fp8 else 2)
                     if wide <= hand_set else next((cfg for bound, cfg in tuned if rows <= bound), tuned[-1][1]))
             assert gemm_config("gate_up", fp8=fp8, rows_hint=rows, on_gpu=True, indexed=True) == want, rows
         for bound, cfg in tuned:
             assert gemm_config("gate_up", fp8=fp8, rows_hint=min(bound, 10 ** 6), on_gpu=True, indexed=True) == cfg
-        for op in configs.OPS:
-            assert gemm_config(op, fp8=fp8, rows_hint=16, on_gpu=True, scattered=True) != configs._table()[
-                configs.table_key(op, fp8)][0][1]
+        for bound, cfg in own:  # a hand-set bucket is taken by the rows `routed_rows` widens into it
+            rows = max(m for m in range(1, bound + 1) if configs.routed_rows(m) <= bound)
+            if all(configs.routed_rows(rows) > b for b, _ in own if b < bound):
+                assert gemm_config("gate_up", fp8=fp8, rows_hint=rows, on_gpu=True, indexed=True) == cfg
     assert [configs.routed_rows(m) for m in (0, 1, 12, 16, 24, 32, 60)] == [1, 2, 16, 20, 29, 38, 68]
     assert any(cfg.warp_specialize for _, cfg in configs._table()["gate_up_bf16_indexed"])
     wide = gemm_config("down", fp8=False, rows_hint=10 ** 6, on_gpu=True, element_size=4)
@@ -484,6 +489,12 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
     table["gate_up_bf16_indexed"] = [[128, configs.INTERPRETER_CONFIG], [10 ** 9, configs.INTERPRETER_CONFIG]]
     assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == small.pointer_variant(2)
     assert gemm_config("gate_up", fp8=False, rows_hint=65, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
+    # an indexed table's own hand-set buckets serve gathered rows at decode sizes, as they are, and only there
+    table["gate_up_bf16_indexed"] = [[32, small], [64, WS], [128, configs.INTERPRETER_CONFIG]]
+    assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == small
+    assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, indexed=True) == WS  # routed_rows: 38
+    assert gemm_config("gate_up", fp8=False, rows_hint=64, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
+    assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, scattered=True) == small  # the plain table
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -522,7 +533,19 @@ def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, monkeypatch
     assert ran == [64, 64]  # both GEMMs ran the pointer kernel with the config's tiles
 
 
-WS_CASES = [(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.items() for cfg in cands]
+def _with_table_entries(cases: list, indexed: bool) -> list:
+    """The tuner's candidates and the launch table's warp-specialized entries (hand-set ones too)."""
+    for op in configs.OPS if not indexed else ("gate_up",):
+        for fp8 in (False, True):
+            for _, cfg in configs._table().get(configs.table_key(op, fp8, indexed), ()):
+                case = (fp8, cfg) if indexed else (op, fp8, cfg)
+                if cfg.warp_specialize and case not in cases:
+                    cases.append(case)
+    return cases
+
+
+WS_CASES = _with_table_entries([(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.items()
+                                for cfg in cands], indexed=False)
 
 
 @pytest.mark.gpu
@@ -575,8 +598,8 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatc
     assert launched == [op == "gate_up"]
 
 
-GATHER_CASES = [(fp8, cfg) for fp8, cands in experts_tune.INDEXED_CANDIDATES.items() for cfg in cands
-                if cfg.warp_specialize]
+GATHER_CASES = _with_table_entries([(fp8, cfg) for fp8, cands in experts_tune.INDEXED_CANDIDATES.items()
+                                    for cfg in cands if cfg.warp_specialize], indexed=True)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ from pathlib import Path
 TABLE_PATH = Path(__file__).with_name("configs.json")
 OPS = ("gate_up", "down")
 # The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
-# tuner's above; every `_indexed` entry starts above it.
+# tuner's above; an `_indexed` table's buckets up to it (if it has any) are hand-set too, and serve gathered
+# rows at decode sizes in place of the plain ones.
 HAND_SET_ROWS = 64
 # Schedules of the warp-specialized kernel (epmoe/kernels/grouped_gemm_ws.py): one consumer of 8 warps,
 # two of 4 warps taking K blocks of two tiles at once (interleaved), or two of 4 warps sharing each tile,
@@ -134,9 +135,10 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
         indexed: the activations are read through a row index (routed rows, scattered too): the table's
-            `_indexed` entry as it is (the warp-specialized kernel gathers a gate-up's rows itself), except
-            where the hand-set buckets are taken (scattered): there, and where there is no `_indexed`
-            entry, the plain entry's `pointer_variant`.
+            `_indexed` entry as it is (the warp-specialized kernel gathers a gate-up's rows itself); where
+            the hand-set buckets are taken (scattered), the `_indexed` table's hand-set bucket where it
+            has its own (a first bound up to HAND_SET_ROWS), else the plain entry's `pointer_variant`, as
+            where there is no `_indexed` entry.
         scattered: the experts' row counts scatter around rows_hint (routed rows, contiguous layout):
             where `routed_rows(rows_hint)` fits the table's hand-set buckets (those up to HAND_SET_ROWS), its
             bucket.
@@ -151,12 +153,14 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         # Routed rows at decode sizes: the hand-set bucket for `routed_rows` (an expert with more rows than
         # its tile has is a second pass over its weights); above, the table's entry for the mean
         wide = routed_rows(rows_hint)
+        own = [(bound, cfg) for bound, cfg in tuned or () if bound <= HAND_SET_ROWS]  # hand-set, gathered rows
         if wide <= max((bound for bound, _ in buckets if bound <= HAND_SET_ROWS), default=0):
             rows_hint = wide
+            buckets = own or buckets
         elif tuned is not None:
-            buckets = tuned
+            buckets = tuned[len(own):]
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
-    if indexed and buckets is not tuned:
+    if indexed and buckets is table[key]:
         cfg = cfg.pointer_variant(1 if fp8 else element_size)  # a plain entry, not tuned for gathered rows
     if not fp8 and element_size > 2:
         cfg = dataclasses.replace(cfg.pointer_variant(element_size), block_k=max(16, cfg.block_k * 2 // element_size))
