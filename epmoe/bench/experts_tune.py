@@ -18,7 +18,7 @@ the committed entry first) is
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
 through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the
 pointer kernel) are swept the same way over `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode,
-weight-bandwidth bound, at their floor) keep the committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
+weight-bandwidth bound; `scripts/decode_sweep.py` sweeps them on routed rows) keep the committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
 OUT/experts_tune.json (every check and time, after each point), and prints a table per point last.
 A stalled point (a kernel that never returns) ends the run after --stall-s seconds (exit code 3), with
 the JSON and a configs.json from the points timed so far.
