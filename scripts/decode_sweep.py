@@ -12,10 +12,12 @@ the warp-specialized kernel's 64-row tiles (cooperative and interleaved; and the
 tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "table",
 none (the table's config alone, to compare tables). --contiguous: the gate-up reads a copy of the routed
 rows in order (as `epmoe bench experts` times it, with the plain table's entries) instead of through the
-row index (the `_indexed` entries).
+row index (the `_indexed` entries); --batched: the rows in ll's batched layout on one rank, a slot of T
+rows per expert (the plain entries, chosen for the mean rows per expert as TritonExperts chooses them;
+the down without the top-k weights).
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
-        [--pool pointer|prefill|ws|table] [--contiguous] [--out DIR]
+        [--pool pointer|prefill|ws|table] [--contiguous | --batched] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
@@ -102,10 +104,11 @@ def ws_candidates(gate: bool, fp8: bool, gathered: bool) -> list[GemmConfig]:
 
 
 def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.device, fp8: bool,
-              contiguous: bool = False) -> tuple[dict, list]:
+              contiguous: bool = False, batched: bool = False) -> tuple[dict, list]:
     """{op: (run(cfg), the output of run(cfg) to check, reference, hit experts' weight bytes, the table's
     config)} of one point, and the experts' row counts. contiguous: the gate-up reads a copy of the routed
-    rows in order, not the rows through the row index."""
+    rows in order, not the rows through the row index; batched: the rows in ll's batched layout on one
+    rank (a slot of T rows per expert, its rows first; the config for the mean, no top-k weights)."""
     E, K, D, F = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
     w13, w2 = weights["w13"], weights["w2"]
     x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
@@ -117,37 +120,46 @@ def point_ops(shape, T: int, weights: dict, g: torch.Generator, dev: torch.devic
     rows_n = sum(counts)  # the experts' rows, [0, offsets_L1[L]) of the batch
     mean = -(-T * K // E)
     item = 1 if fp8 else 2
-    x_rows = lay.rows_N
-    if contiguous:
-        x, x_rows = x[lay.rows_N.long()], None
+    x_rows, valid, hint, row_scale = lay.rows_N, slice(0, rows_n), None, lay.weights_N
+    if contiguous or batched:
+        x, x_rows = x[lay.rows_N[:rows_n].long()], None
+    if batched:
+        expert = torch.repeat_interleave(torch.arange(E, device=dev), lay.counts_L.long(), output_size=rows_n)
+        valid = expert * T + torch.arange(rows_n, device=dev) - lay.offsets_L1[:-1].long()[expert]
+        x = x.new_zeros(E * T, D).index_copy_(0, valid, x)
+        rows, hint, row_scale = ExpertRows.batched_slots(lay.counts_L, T), mean, None
     if fp8:
         xq, xs = quantize_act(x)
         s13, s2 = weights["s13"], weights["s2"]
 
         def up(cfg):
-            return gate_up(xq, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows, config=cfg)
+            return gate_up(xq, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows, rows_hint=hint, config=cfg)
 
         h_ref, hs_ref = up(None)
 
         def up_out(cfg):  # h as the down reads it, dequantized
             h, hs = up(cfg)
-            return dequantize_act_ref(h[:rows_n], hs[:rows_n])
+            return dequantize_act_ref(h[valid], hs[valid])
 
         def dn(cfg):
-            return down(h_ref, w2, rows, h_scale_RG=hs_ref, w2_scale=s2, row_scale_R=lay.weights_N,
-                        out_dtype=torch.bfloat16, config=cfg)[:rows_n]
+            return down(h_ref, w2, rows, h_scale_RG=hs_ref, w2_scale=s2, row_scale_R=row_scale,
+                        out_dtype=torch.bfloat16, rows_hint=hint, config=cfg)[valid]
     else:
         def up(cfg):
-            return gate_up(x, w13, rows, x_rows_R=x_rows, config=cfg)[0][:rows_n]
+            return gate_up(x, w13, rows, x_rows_R=x_rows, rows_hint=hint, config=cfg)[0]
 
-        up_out = up
+        def up_out(cfg):
+            return up(cfg)[valid]
 
-        h_ref, hs_ref = up_out(None), None
+        h_ref, hs_ref = up(None), None
 
         def dn(cfg):
-            return down(h_ref, w2, rows, row_scale_R=lay.weights_N, out_dtype=torch.bfloat16, config=cfg)[:rows_n]
+            return down(h_ref, w2, rows, row_scale_R=row_scale, out_dtype=torch.bfloat16, rows_hint=hint,
+                        config=cfg)[valid]
 
     def table(op):
+        if batched:
+            return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True)
         return gemm_config(op, fp8=fp8, rows_hint=mean, on_gpu=True, indexed=op == "gate_up" and not contiguous,
                            scattered=True)
 
@@ -181,7 +193,9 @@ def main() -> None:
     p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
     p.add_argument("--pool", choices=["pointer", "prefill", "ws", "table"], default="pointer",
                    help="table: no candidates, the table's config timed first and last")
-    p.add_argument("--contiguous", action="store_true", help="the gate-up reads the routed rows copied in order")
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument("--contiguous", action="store_true", help="the gate-up reads the routed rows copied in order")
+    layout.add_argument("--batched", action="store_true", help="the rows in ll's batched layout, slots of T rows")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -198,14 +212,14 @@ def main() -> None:
         if name not in weights:
             weights = {name: make_weights(shape, g, dev, fp8)}  # one shape's weights at a time
         D, F = shape.hidden_size, shape.intermediate_size
-        ops, counts = point_ops(shape, T, weights[name], g, dev, fp8, args.contiguous)
+        ops, counts = point_ops(shape, T, weights[name], g, dev, fp8, args.contiguous, args.batched)
         rows_n = sum(counts)
         for op, (run, checked, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
             floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
-                    else ws_candidates(gate, fp8, gate and not args.contiguous) if args.pool == "ws"
+                    else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"
                     else prefill_candidates(gate) if args.pool == "prefill" else [])
             table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []
@@ -233,7 +247,8 @@ def main() -> None:
                   flush=True)
             for us, cfg in timed[1:5]:
                 print(f"    {us:.1f} us {cfg.to_dict()}")
-            results.append({"shape": name, "T": T, "quant": args.quant, "contiguous": args.contiguous, "op": op,
+            results.append({"shape": name, "T": T, "quant": args.quant, "contiguous": args.contiguous,
+                            "batched": args.batched, "op": op,
                             "floor_us": floor_us,
                             "table_us": table_us, "table_first_us": table_first_us, "table": table_cfg.to_dict(),
                             "timed": [{"us": us, "config": cfg.to_dict()} for us, cfg in timed]})

@@ -15,6 +15,7 @@ import torch
 
 import epmoe
 import epmoe.routing
+from epmoe.timing import gpu_us
 
 CASES = {
     "deepseek_v3": dict(E=256, K=8, scoring="sigmoid", num_groups=8, topk_groups=4, bias=True),
@@ -24,21 +25,15 @@ CASES = {
 
 
 def _time(fn, calls: int) -> tuple[float, float]:
-    """(host µs, GPU µs) per call of fn, over `calls` calls queued back to back behind a GPU spin (so that
-    the GPU time is the work's own, not the host's pace; calls * 16 launches stay under the launch
-    queue's depth)."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(calls * 2_000_000)  # ~1 ms of cycles per call, longer than its queueing
-    start.record()
+    """(host µs, GPU µs) per call of fn: the host's time to queue `calls` calls back to back, and their GPU
+    time queued behind a spin (`epmoe.timing.gpu_us`: the work's own time, not the host's pace)."""
+    gpu = gpu_us(fn, calls)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - t0) / calls * 1e6
-    end.record()
     torch.cuda.synchronize()
-    return host, start.elapsed_time(end) / calls * 1e3
+    return host, gpu
 
 
 def main() -> None:
