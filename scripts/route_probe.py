@@ -1,6 +1,6 @@
 """Routing on one GPU: the Triton kernel (`epmoe.kernels.routing.route_topk`, what `epmoe.route` runs on
-a GPU) against route's torch version, per call: host time (calls queued back to back, no sync) and GPU
-time (CUDA events around the same calls), for DeepSeek-V3's grouped sigmoid choice, Qwen3-MoE's softmax
+a GPU) against route's torch version, per call: host time (queueing one call on an idle GPU) and GPU
+time (back-to-back calls behind a spin), for DeepSeek-V3's grouped sigmoid choice, Qwen3-MoE's softmax
 top-8 of 128 and Mixtral's top-2 of 8, at several token counts (bf16 logits). The floor: the logits
 read once (T * E * 2 bytes at the 4.16 TB/s device copy rate: 0.5 µs for [4096, 256]).
 
@@ -25,15 +25,18 @@ CASES = {
 
 
 def _time(fn, calls: int) -> tuple[float, float]:
-    """(host µs, GPU µs) per call of fn: the host's time to queue `calls` calls back to back, and their GPU
-    time queued behind a spin (`epmoe.timing.gpu_us`: the work's own time, not the host's pace)."""
+    """(host µs, GPU µs) per call of fn: the mean host time to queue one call on an idle GPU (so that the host
+    never waits for it), and the GPU time of `calls` calls queued back to back behind a spin
+    (`epmoe.timing.gpu_us`: the work's own time, not the host's pace)."""
     gpu = gpu_us(fn, calls)
-    t0 = time.perf_counter()
+    host = 0.0
     for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
+        host += time.perf_counter() - t0
     torch.cuda.synchronize()
-    return host, gpu
+    return host / calls * 1e6, gpu
 
 
 def main() -> None:
