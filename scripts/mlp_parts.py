@@ -1,13 +1,15 @@
 """The whole fp8 (or bf16) expert MLP of `epmoe bench experts` against its two GEMMs timed apart.
 
-    python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096] [--quant fp8_block] [--rep-ms 20]
+    python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096 qwen3-30b:16:512] [--quant fp8_block]
+        [--rep-ms 20]
 
 Per point (exactly t rows per expert, the bench's inputs): medians (L2 flushed, GPU-paced: the bench's
 `time_ms`) of the gate-up alone, the down alone on the gate-up's own h, the down on random h of the same
 dtype and scale layout, and the whole MLP; the TFLOP/s the two parts would give together; and each kernel's mean time in
 back-to-back MLP calls (torch.profiler, L2 not flushed). Each timing's wall-clock span is printed, to
 line it up with a clock and power log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv
--lms 20`). Shapes: epmoe.bench.experts.SHAPES.
+-lms 20`). Shapes: epmoe.bench.experts.SHAPES; a point shape:t:L takes L experts of the shape's size
+instead of its own count (more or fewer weight bytes per launch at the same expert shape).
 """
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ def clock() -> str:
     return datetime.now().strftime("%H:%M:%S.%f")[:-3]
 
 
-def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
+def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts: int | None = None) -> None:
     D, F, L = SHAPES[name]
-    L = min(L, max_rows // t)
+    L = min(experts or L, max_rows // t)
     dev = torch.device("cuda")
     w13, w2 = random_weights(L, D, F, dev)
     rows, _ = uniform_rows(L, t, dev)
@@ -76,14 +78,16 @@ def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--points", nargs="+", default=["qwen3-30b:1024", "dsv3-256:4096"], help="shape:t pairs")
+    p.add_argument("--points", nargs="+", default=["qwen3-30b:1024", "dsv3-256:4096"],
+                   help="shape:t or shape:t:L (L experts)")
     p.add_argument("--quant", default="fp8_block", choices=["bf16", "fp8_block"])
     p.add_argument("--rep-ms", type=int, default=20)
     p.add_argument("--max-rows", type=int, default=131072)
     args = p.parse_args()
     for point in args.points:
-        name, t = point.split(":")
-        run_point(name, int(t), args.quant == "fp8_block", args.rep_ms, args.max_rows)
+        name, t, *experts = point.split(":")
+        run_point(name, int(t), args.quant == "fp8_block", args.rep_ms, args.max_rows,
+                  int(experts[0]) if experts else None)
         torch.cuda.empty_cache()
 
 
