@@ -495,6 +495,8 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
     assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, indexed=True) == WS  # routed_rows: 38
     assert gemm_config("gate_up", fp8=False, rows_hint=64, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
     assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, scattered=True) == small  # the plain table
+    table["gate_up_bf16_indexed"] = [[64, WS]]  # hand-set buckets only: the last one above them too
+    assert gemm_config("gate_up", fp8=False, rows_hint=100, on_gpu=True, indexed=True) == WS
 
 
 @pytest.mark.parametrize("fp8", [False, True])

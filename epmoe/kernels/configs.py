@@ -158,7 +158,7 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
             rows_hint = wide
             buckets = own or buckets
         elif tuned is not None:
-            buckets = tuned[len(own):]
+            buckets = tuned[len(own):] or tuned
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
     if indexed and buckets is table[key]:
         cfg = cfg.pointer_variant(1 if fp8 else element_size)  # a plain entry, not tuned for gathered rows
