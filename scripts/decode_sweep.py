@@ -201,7 +201,7 @@ def main() -> None:
     args = p.parse_args()
     fp8 = args.quant == "fp8_block"
     if fp8 and args.pool == "prefill":
-        p.error("--quant fp8_block sweeps the pointer and ws pools only")
+        p.error("--quant fp8_block sweeps the pointer and ws pools (or the table) only")
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
     results = []

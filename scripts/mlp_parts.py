@@ -1,6 +1,6 @@
 """The whole fp8 (or bf16) expert MLP of `epmoe bench experts` against its two GEMMs timed apart.
 
-    python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096 qwen3-30b:16:512] [--quant fp8_block]
+    python3 scripts/mlp_parts.py [--points qwen3-30b:1024 dsv3-256:4096 qwen3-30b:16:256] [--quant fp8_block]
         [--rep-ms 20]
 
 Per point (exactly t rows per expert, the bench's inputs): medians (L2 flushed, GPU-paced: the bench's

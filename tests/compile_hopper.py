@@ -83,10 +83,11 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool
     gate = op == "gate_up"
     gather = gate and bound > 64 if gather is None else gather
     element_size = 4 if dtype == "fp32" else 2
-    cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, element_size=element_size,
-                              indexed=gather)
     if gather and bound <= configs.HAND_SET_ROWS:  # an `_indexed` table's own hand-set bucket
         cfg = next(c for b, c in configs._table()[configs.table_key(op, fp8, indexed=True)] if bound <= b)
+    else:
+        cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, element_size=element_size,
+                                  indexed=gather)
     cfg = cfg.pointer_variant(1 if fp8 else element_size)
     quant_out = gate and fp8 and cfg.block_n == 128
     a = "*bf16" if quant_a else f"*{dtype}"
@@ -180,11 +181,11 @@ def pointer_jobs() -> list:
     from epmoe.kernels import configs
     jobs = [("pointer", op, dtype, bound, False, None) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
             for bound, _ in configs._table()[configs.table_key(op, dtype == "fp8e4nv")]]
-    # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks; a warp-specialized
-    # entry's pointer variant: that kernel takes x quantized before)
+    # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks; pointer entries only:
+    # with a warp-specialized entry `gate_up` quantizes x first)
     jobs += [("pointer", "gate_up", "fp8e4nv", bound, True, None)
              for bound, cfg in configs._table()[configs.table_key("gate_up", True)]
-             if bound <= configs.HAND_SET_ROWS and cfg.block_k == 128]
+             if bound <= configs.HAND_SET_ROWS and cfg.block_k == 128 and cfg.warp_specialize is None]
     # the `_indexed` tables' own hand-set pointer entries, reading rows through the index
     jobs += [("pointer", "gate_up", dtype, bound, False, True) for dtype in ("bf16", "fp8e4nv")
              for bound, cfg in configs._table().get(configs.table_key("gate_up", dtype == "fp8e4nv", True), ())

@@ -394,10 +394,11 @@ def test_config_table_is_valid_and_choice_is_pure():
     for op in configs.OPS:
         for fp8 in (False, True):
             buckets = configs._table()[configs.table_key(op, fp8)]
-            bounds = [bound for bound, _ in buckets]
-            assert bounds == sorted(bounds)
-            for _, cfg in buckets:
-                assert not fp8 or 128 % cfg.block_k == 0
+            for key in {configs.table_key(op, fp8), configs.table_key(op, fp8, indexed=True)} & set(configs._table()):
+                bounds = [bound for bound, _ in configs._table()[key]]
+                assert bounds == sorted(bounds), key
+                for _, cfg in configs._table()[key]:
+                    assert not fp8 or 128 % cfg.block_k == 0
             assert gemm_config(op, fp8=fp8, rows_hint=1, on_gpu=True) == buckets[0][1]
             assert gemm_config(op, fp8=fp8, rows_hint=10 ** 12, on_gpu=True) == buckets[-1][1]
     assert gemm_config("down", fp8=False, rows_hint=64, on_gpu=False) == configs.INTERPRETER_CONFIG
@@ -490,13 +491,18 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
     assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == small.pointer_variant(2)
     assert gemm_config("gate_up", fp8=False, rows_hint=65, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
     # an indexed table's own hand-set buckets serve gathered rows at decode sizes, as they are, and only there
-    table["gate_up_bf16_indexed"] = [[32, small], [64, WS], [128, configs.INTERPRETER_CONFIG]]
-    assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == small
+    gathered = GemmConfig(block_m=32, block_n=64, block_k=128, group_m=1)
+    table["gate_up_bf16_indexed"] = [[32, gathered], [64, WS], [128, configs.INTERPRETER_CONFIG]]
+    assert gemm_config("gate_up", fp8=False, rows_hint=1, on_gpu=True, indexed=True) == gathered
     assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, indexed=True) == WS  # routed_rows: 38
     assert gemm_config("gate_up", fp8=False, rows_hint=64, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
     assert gemm_config("gate_up", fp8=False, rows_hint=32, on_gpu=True, scattered=True) == small  # the plain table
-    table["gate_up_bf16_indexed"] = [[64, WS]]  # hand-set buckets only: the last one above them too
-    assert gemm_config("gate_up", fp8=False, rows_hint=100, on_gpu=True, indexed=True) == WS
+    # hand-set buckets that stop short of HAND_SET_ROWS: the plain entry's pointer variant past them, as
+    # above them when the indexed table has nothing more
+    table["gate_up_bf16_indexed"] = [[32, gathered]]
+    assert gemm_config("gate_up", fp8=False, rows_hint=16, on_gpu=True, indexed=True) == gathered  # 21
+    assert gemm_config("gate_up", fp8=False, rows_hint=50, on_gpu=True, indexed=True) == small.pointer_variant(2)
+    assert gemm_config("gate_up", fp8=False, rows_hint=100, on_gpu=True, indexed=True) == WS.pointer_variant(2)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

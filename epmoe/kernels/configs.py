@@ -6,8 +6,9 @@ The table is data (`configs.json` beside this file), written by `python -m epmoe
 on the GPU and committed; nothing is tuned at call time. Each table entry lists buckets
 `[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins. Entries
 `<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index (tuned
-for it: the warp-specialized kernel's loader gathers the rows by cp.async); without one such a launch
-takes the plain entry's `pointer_variant`.
+for it: the warp-specialized kernel's loader gathers the rows by cp.async; its buckets up to
+HAND_SET_ROWS, if any, hand-set for decode sizes); without one such a launch takes the plain entry's
+`pointer_variant`.
 """
 from __future__ import annotations
 
@@ -136,9 +137,9 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
         indexed: the activations are read through a row index (routed rows, scattered too): the table's
             `_indexed` entry as it is (the warp-specialized kernel gathers a gate-up's rows itself); where
-            the hand-set buckets are taken (scattered), the `_indexed` table's hand-set bucket where it
-            has its own (a first bound up to HAND_SET_ROWS), else the plain entry's `pointer_variant`, as
-            where there is no `_indexed` entry.
+            the hand-set buckets are taken (scattered), the `_indexed` table's own hand-set bucket (bound
+            up to HAND_SET_ROWS) where one holds the rows, else the plain entry's `pointer_variant`, as
+            where there is no `_indexed` entry (or none above its hand-set buckets).
         scattered: the experts' row counts scatter around rows_hint (routed rows, contiguous layout):
             where `routed_rows(rows_hint)` fits the table's hand-set buckets (those up to HAND_SET_ROWS), its
             bucket.
@@ -156,9 +157,10 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         own = [(bound, cfg) for bound, cfg in tuned or () if bound <= HAND_SET_ROWS]  # hand-set, gathered rows
         if wide <= max((bound for bound, _ in buckets if bound <= HAND_SET_ROWS), default=0):
             rows_hint = wide
-            buckets = own or buckets
+            if own and wide <= own[-1][0]:
+                buckets = own
         elif tuned is not None:
-            buckets = tuned[len(own):] or tuned
+            buckets = tuned[len(own):] or buckets
     cfg = next((cfg for bound, cfg in buckets if rows_hint <= bound), buckets[-1][1])
     if indexed and buckets is table[key]:
         cfg = cfg.pointer_variant(1 if fp8 else element_size)  # a plain entry, not tuned for gathered rows
