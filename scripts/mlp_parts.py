@@ -4,7 +4,7 @@
         [--rep-ms 20]
 
 Per point (exactly t rows per expert, the bench's inputs): medians (L2 flushed, GPU-paced: the bench's
-`time_ms`) of the gate-up alone, the down alone on the gate-up's own h, the down on random h of the same
+`epmoe.timing.flushed_ms`) of the gate-up alone, the down alone on the gate-up's own h, the down on random h of the same
 dtype and scale layout, and the whole MLP; the TFLOP/s the two parts would give together; and each kernel's mean time in
 back-to-back MLP calls (torch.profiler, L2 not flushed). Each timing's wall-clock span is printed, to
 line it up with a clock and power log (`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv
@@ -18,10 +18,11 @@ from datetime import datetime
 
 import torch
 
-from epmoe.bench.experts import SHAPES, random_weights, time_ms, uniform_rows
+from epmoe.bench.experts import SHAPES, random_weights, uniform_rows
 from epmoe.kernels.grouped_gemm import down, gate_up
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import quantize_weights_ref
+from epmoe.timing import flushed_ms
 from moe_profile import kernel_us  # scripts/, on sys.path as the running script's folder
 
 
@@ -59,7 +60,7 @@ def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts:
     ms = {}
     for k, f in parts.items():
         t0 = clock()
-        ms[k] = time_ms(f, rep_ms)
+        ms[k] = flushed_ms(f, rep_ms)
         print(f"# {k}: local time {t0} - {clock()}", flush=True)
 
     def tf(flops: float, ms_: float) -> float:

@@ -781,7 +781,7 @@ def test_tuner_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     def fake_time(fn, rep_ms):  # later is slower: at each point the committed entry (timed first) wins
         fn()  # the launch must run
         return float(next(clock))
-    monkeypatch.setattr(experts_tune, "_time_ms", fake_time)
+    monkeypatch.setattr(experts_tune, "flushed_ms", fake_time)
     args = SimpleNamespace(out=str(tmp_path), workers=2, check_s=600.0, stall_s=600.0, max_rows=1 << 20, rep_ms=1)
     result = experts_tune.run_tune(args, DEVICE)
     assert result["checks"] and all(c["ok"] for c in result["checks"]), [c for c in result["checks"] if not c["ok"]]

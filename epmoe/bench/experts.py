@@ -80,11 +80,6 @@ def mlp_floor(R: int, L: int, D: int, F: int, fp8: bool) -> Floor:
     return Floor(flops, nbytes, PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS)
 
 
-def time_ms(fn, rep_ms: int) -> float:
-    """Median GPU ms of fn over the calls that fill rep_ms, L2 flushed before each (`flushed_ms`)."""
-    return flushed_ms(fn, rep_ms)
-
-
 def random_weights(L: int, D: int, F: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     w13 = torch.randn(L, 2 * F, D, dtype=torch.bfloat16, device=device).mul_(D ** -0.5)
     w2 = torch.randn(L, D, F, dtype=torch.bfloat16, device=device).mul_(F ** -0.5)
@@ -142,7 +137,7 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
             res[f"config_{configs_mod.table_key(op, fp8)}"] = cfg.to_dict()
     for key, fn in timings.items():
         try:
-            ms = time_ms(fn, rep_ms)
+            ms = flushed_ms(fn, rep_ms)
         except Exception as exc:  # keep the rest of the sweep; the error goes into the JSON
             res[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"# {name} t={t} {key} failed: {res[f'{key}_error']}", flush=True)

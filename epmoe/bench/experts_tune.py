@@ -244,10 +244,6 @@ def run_checks(waves: list[list[dict]], workers: int, budget_s: float) -> list[l
 # Timing (this process)
 
 
-def _time_ms(fn, rep_ms: int) -> float:
-    return flushed_ms(fn, rep_ms)
-
-
 class _Watchdog:
     """Ends the process (exit code 3) when `beat` has not been called for stall_s seconds, after
     `on_stall` (which writes what was measured)."""
@@ -286,7 +282,7 @@ def _baselines(op: str, fp8: bool, a, a_s, w, w_s, rows: ExpertRows, rep_ms: int
         fns["dense_fp8"] = lambda: torch._scaled_mm(a, dense_b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     for name, fn in fns.items():
         try:
-            out[name] = _time_ms(fn, rep_ms)
+            out[name] = flushed_ms(fn, rep_ms)
         except Exception as exc:  # a torch build without the op for these operands
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
@@ -317,7 +313,7 @@ def time_point(op: str, fp8: bool, shape: str, t: int, configs: list[GemmConfig]
         watchdog.beat(f"{shape} t={t} {op} {describe(cfg)}")
         entry = {"config": cfg.to_dict(), "name": describe(cfg)}
         try:
-            entry["ms"] = _time_ms(lambda: _run(op, a, a_s, w, w_s, rows, cfg, x_rows), rep_ms)
+            entry["ms"] = flushed_ms(lambda: _run(op, a, a_s, w, w_s, rows, cfg, x_rows), rep_ms)
             entry["tflops"] = flops / entry["ms"] / 1e9
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
