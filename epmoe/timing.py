@@ -1,10 +1,12 @@
 """Timing: wall-clock of layer calls over ranks (`epmoe demo`, `epmoe bench layer`), and the GPU's own time
 of a call that the host may queue slower than the GPU runs it (`gpu_us`: back-to-back calls; `flushed_ms`:
-each call after an L2 flush, as triton.testing.do_bench times it).
+each call after an L2 flush, as triton.testing.do_bench times it), and the host's time to queue a call
+(`host_us`).
 
     ms = max_over_ranks(median_ms(lambda: moe(x_TD, logits_TE), repeats, device, group), group, device)
     us = gpu_us(lambda: down(h, w2, rows), iters=20)
     ms = flushed_ms(lambda: down(h, w2, rows), rep_ms=20)
+    us = host_us(lambda: down(h, w2, rows), calls=20)
 """
 from __future__ import annotations
 
@@ -94,6 +96,27 @@ def gpu_us(fn: Callable[[], object], iters: int = 20) -> float:
 
     _behind_spin(queue, iters * host_s)
     return start.elapsed_time(end) / iters * 1e3
+
+
+def host_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """The host's µs to queue one fn() call: the mean over `calls` calls queued back to back behind a spin
+    kernel, so that the GPU never pushes back on the queue (their launches must fit the GPU's launch queue,
+    ~1000 entries). Raises RuntimeError when no spin (up to 32x the host's time) outlasted the queueing."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    queued_s = []
+
+    def queue() -> None:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        queued_s.append(time.perf_counter() - t0)
+
+    _behind_spin(queue, calls * host_s)
+    return queued_s[-1] / calls * 1e6
 
 
 def flushed_ms(fn: Callable[[], object], rep_ms: int = 20, warmup_ms: int | None = None) -> float:

@@ -1,6 +1,6 @@
 """Routing on one GPU: the Triton kernel (`epmoe.kernels.routing.route_topk`, what `epmoe.route` runs on
-a GPU) against route's torch version, per call: host time (queueing one call on an idle GPU) and GPU
-time (back-to-back calls behind a spin), for DeepSeek-V3's grouped sigmoid choice, Qwen3-MoE's softmax
+a GPU) against route's torch version, per call: host time (calls queued behind a GPU spin) and GPU time
+(back-to-back calls behind a spin), for DeepSeek-V3's grouped sigmoid choice, Qwen3-MoE's softmax
 top-8 of 128 and Mixtral's top-2 of 8, at several token counts (bf16 logits). The floor: the logits
 read once (T * E * 2 bytes at the 4.16 TB/s device copy rate: 0.5 µs for [4096, 256]).
 
@@ -9,13 +9,12 @@ read once (T * E * 2 bytes at the 4.16 TB/s device copy rate: 0.5 µs for [4096,
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import epmoe
 import epmoe.routing
-from epmoe.timing import gpu_us
+from epmoe.timing import gpu_us, host_us
 
 CASES = {
     "deepseek_v3": dict(E=256, K=8, scoring="sigmoid", num_groups=8, topk_groups=4, bias=True),
@@ -25,18 +24,9 @@ CASES = {
 
 
 def _time(fn, calls: int) -> tuple[float, float]:
-    """(host µs, GPU µs) per call of fn: the mean host time to queue one call on an idle GPU (so that the host
-    never waits for it), and the GPU time of `calls` calls queued back to back behind a spin
-    (`epmoe.timing.gpu_us`: the work's own time, not the host's pace)."""
-    gpu = gpu_us(fn, calls)
-    host = 0.0
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host += time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return host / calls * 1e6, gpu
+    """(host µs, GPU µs) per call of fn over `calls` calls queued behind a spin (`epmoe.timing.host_us`,
+    `gpu_us`: the host's queueing, and the work's own time, not the host's pace)."""
+    return host_us(fn, calls), gpu_us(fn, calls)
 
 
 def main() -> None:

@@ -5,14 +5,12 @@ rows per expert, x pre-quantized for fp8) timed three ways, with the host's time
 
 Columns: triton.testing.do_bench (median, L2 flushed before each call: what the bench used before
 epmoe.timing.flushed_ms), flushed_ms (the same calls queued behind a GPU spin), gpu_us (back-to-back
-calls behind a spin, L2 not flushed), the host's µs per call (20 calls queued behind a 0.5 s spin, no
-sync), and TFLOP/s by gpu_us and by do_bench. Where do_bench reads well above flushed_ms, the host
+calls behind a spin, L2 not flushed), the host's µs per call (`host_us`: 20 calls queued behind a spin), and TFLOP/s by gpu_us and by do_bench. Where do_bench reads well above flushed_ms, the host
 paced it. Shapes: epmoe.bench.experts.SHAPES.
 """
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import triton.testing
@@ -21,18 +19,7 @@ from epmoe.bench.experts import SHAPES, random_weights, uniform_rows
 from epmoe.kernels.grouped_gemm import down, gate_up
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import quantize_weights_ref
-from epmoe.timing import SPIN_CLOCK_HZ, flushed_ms, gpu_us
-
-
-def host_us(fn, calls: int = 20) -> float:
-    """The host's µs to queue one fn() call, the GPU kept busy by a spin so that the queue never pushes back."""
-    torch.cuda._sleep(int(0.5 * SPIN_CLOCK_HZ))
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    out = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return out
+from epmoe.timing import flushed_ms, gpu_us, host_us
 
 
 def main(points: list[str]) -> None:

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from epmoe.timing import SPIN_CLOCK_HZ, flushed_ms, gpu_us
+from epmoe.timing import SPIN_CLOCK_HZ, flushed_ms, gpu_us, host_us
 
 SPIN_CYCLES = 200_000  # ~101 µs at the H200's top clock, longer at a lower one
 
@@ -36,3 +36,14 @@ def test_flushed_ms_times_the_gpu_where_the_host_is_slower():
 def test_flushed_ms_times_a_call_far_shorter_than_its_budget():
     # 20 ms of ~1 µs calls: do_bench would queue ~20000; more than the GPU's launch queue holds behind a spin
     assert 0 < flushed_ms(lambda: torch.cuda._sleep(2_000), rep_ms=20) < 0.05
+
+
+@pytest.mark.gpu
+def test_host_us_times_the_queueing_not_the_gpu():
+    def host_bound():  # 2 ms of host, ~10 µs of GPU
+        time.sleep(0.002)
+        torch.cuda._sleep(20_000)
+
+    assert 1900 <= host_us(host_bound, calls=10) <= 4000
+    gpu_bound = lambda: torch.cuda._sleep(SPIN_CYCLES)  # noqa: E731  (~101 µs of GPU a call)
+    assert host_us(gpu_bound, calls=20) < 0.5 * gpu_us(gpu_bound, iters=20)
