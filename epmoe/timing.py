@@ -119,13 +119,21 @@ def host_us(fn: Callable[[], object], calls: int = 20) -> float:
     return queued_s[-1] / calls * 1e6
 
 
-def flushed_ms(fn: Callable[[], object], rep_ms: int = 20, warmup_ms: int | None = None) -> float:
+def flushed_ms(fn: Callable[[], object], rep_ms: int = 20, warmup_ms: int | None = None,
+               flush: str = "write") -> float:
     """The median GPU ms of fn() with L2 flushed before each call, as triton.testing.do_bench(fn, warmup_ms,
     rep_ms, return_mode="median") times it, but with the timed calls queued behind a spin kernel: do_bench
     times each call from an event recorded after the flush, so where queueing the call takes the host longer
     than the flush takes the GPU, it times the host. Calls: as many as fill rep_ms (at least 5, at most
-    100), after warm-up calls filling warmup_ms (default rep_ms / 4, at least 5 ms)."""
-    cache = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    100), after warm-up calls filling warmup_ms (default rep_ms / 4, at least 5 ms).
+
+    flush: "write" zeroes 256 MiB, as do_bench does, and leaves L2 full of dirty lines, whose write-back
+    then falls inside the timed call; "read" sums 256 MiB instead and leaves L2 holding clean lines."""
+    if flush not in ("write", "read"):
+        raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
+    cache = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    if flush == "read":
+        cache.zero_()
     est_ms = gpu_us(fn, 5) * 1e-3
     for _ in range(max(1, int((warmup_ms or max(rep_ms // 4, 5)) / est_ms))):
         fn()
@@ -134,7 +142,10 @@ def flushed_ms(fn: Callable[[], object], rep_ms: int = 20, warmup_ms: int | None
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
 
     def call(i: int) -> None:
-        cache.zero_()
+        if flush == "write":
+            cache.zero_()
+        else:
+            cache.sum()
         starts[i].record()
         fn()
         ends[i].record()

@@ -33,6 +33,19 @@ def test_flushed_ms_times_the_gpu_where_the_host_is_slower():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("flush", ["write", "read"])
+def test_flushed_ms_flushes_by_writing_or_reading(flush):
+    # a spin touches no memory: either flush leaves it its own length
+    assert flushed_ms(lambda: torch.cuda._sleep(SPIN_CYCLES), rep_ms=10, flush=flush) == pytest.approx(
+        gpu_us(lambda: torch.cuda._sleep(SPIN_CYCLES)) * 1e-3, rel=0.1)
+
+
+def test_flushed_ms_rejects_an_unknown_flush():
+    with pytest.raises(ValueError, match="flush must be"):
+        flushed_ms(lambda: None, flush="evict")
+
+
+@pytest.mark.gpu
 def test_flushed_ms_times_a_call_far_shorter_than_its_budget():
     # 20 ms of ~1 µs calls: do_bench would queue ~20000; more than the GPU's launch queue holds behind a spin
     assert 0 < flushed_ms(lambda: torch.cuda._sleep(2_000), rep_ms=20) < 0.05
