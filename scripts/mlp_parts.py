@@ -31,7 +31,10 @@ def clock() -> str:
     return datetime.now().strftime("%H:%M:%S.%f")[:-3]
 
 
-def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts: int | None = None) -> None:
+def mlp_calls(name: str, t: int, fp8: bool, max_rows: int, experts: int | None = None) -> tuple[dict, tuple]:
+    """The bench's inputs at exactly t rows per expert over L experts of shape `name` (`experts` of them when
+    given, at most max_rows // t), and calls on them: {"gate_up", "down" (on the gate-up's own h),
+    "down_random_h", "mlp"}; with (L, D, F, [w13, w2]) (the weights, fp8 when fp8)."""
     D, F, L = SHAPES[name]
     L = min(experts or L, max_rows // t)
     dev = torch.device("cuda")
@@ -55,6 +58,11 @@ def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts:
     h, hs = up()
     parts = {"gate_up": up, "down": lambda: dn(h, hs), "down_random_h": lambda: dn(h_random, hs_random),
              "mlp": lambda: dn(*up())}
+    return parts, (L, D, F, [w13, w2])
+
+
+def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts: int | None = None) -> None:
+    parts, (L, D, F, _) = mlp_calls(name, t, fp8, max_rows, experts)
     R = L * t
     fl_up, fl_dn = 4.0 * R * D * F, 2.0 * R * D * F
     ms = {}
