@@ -133,7 +133,7 @@ def flushed_ms(fn: Callable[[], object], rep_ms: int = 20, warmup_ms: int | None
         raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
     cache = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     if flush == "read":
-        cache.zero_()
+        cache.zero_()  # (what the reading flush sums is then defined)
     est_ms = gpu_us(fn, 5) * 1e-3
     for _ in range(max(1, int((warmup_ms or max(rep_ms // 4, 5)) / est_ms))):
         fn()
