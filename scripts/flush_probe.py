@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe.bench.experts import COPY_TBPS
 from epmoe.timing import flushed_ms, gpu_us
 from mlp_parts import mlp_calls  # scripts/, on sys.path as the running script's folder
-
-COPY_BW = 4.16e12  # bytes/s, the H200's measured copy bandwidth (BENCHMARKS.md, machines)
 
 
 @triton.jit
@@ -52,7 +51,7 @@ def plain_read(tensors: list[torch.Tensor]):
 def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts: int | None) -> None:
     parts, (L, D, F, weights) = mlp_calls(name, t, fp8, max_rows, experts)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    floor_us = weight_bytes / COPY_BW * 1e6
+    floor_us = weight_bytes / (COPY_TBPS * 1e12) * 1e6
     print(f"## {name} t={t} L={L} {'fp8' if fp8 else 'bf16'}: weights {weight_bytes / 1e6:.0f} MB, "
           f"floor {floor_us:.1f} us")
     for label, fn in (("mlp", parts["mlp"]), ("plain read", plain_read(weights))):
