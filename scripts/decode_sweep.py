@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from epmoe.bench.experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
 from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
 from epmoe.bench.moe import SHAPES
 from epmoe.kernels.configs import GemmConfig, gemm_config
@@ -46,8 +47,7 @@ from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weig
 from epmoe.testing import rel_error
 from epmoe.timing import gpu_us
 
-COPY_BYTES_PER_S = 4.16e12
-PEAK_FLOPS = {"bf16": 686e12, "fp8_block": 1276e12}
+PEAK_TFLOPS = {"bf16": PEAK_BF16_TFLOPS, "fp8_block": PEAK_FP8_TFLOPS}
 SMEM_BYTES = 200 * 1024
 
 
@@ -216,7 +216,7 @@ def main() -> None:
         rows_n = sum(counts)
         for op, (run, checked, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
-            floor_us = max(weight_bytes / COPY_BYTES_PER_S, flops / PEAK_FLOPS[args.quant]) * 1e6
+            floor_us = max(weight_bytes / (COPY_TBPS * 1e12), flops / (PEAK_TFLOPS[args.quant] * 1e12)) * 1e6
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
                     else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"
