@@ -4,6 +4,7 @@ tuner's candidates. Fails on compiler front-end errors, register spills, shared 
 and (warp-specialized kernel) wgmma that ptxas serializes. Run by test_triton_experts.py in a process
 without TRITON_INTERPRET; the compiles run in parallel processes. Exit 3 = this Triton's compiler cannot
 be driven this way (skip)."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -138,12 +139,12 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
         a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
         c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c,
         c_scale_ptr="*fp32", row_scale_ptr="*fp32",
-        index_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
+        index_ptr="*i32", counter_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
         G_A="i32", G_C="i32")
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
                    fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,
                    has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
-                   block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
+                   block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
                           ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
                           maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)
@@ -165,6 +166,9 @@ def ws_jobs() -> list:
                 for _, cfg in configs._table()[configs.table_key(op, fp8, indexed)]:
                     if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
                         out.append((op, fp8, cfg, indexed))
+    # the cooperative entries with claimed tiles (rows read in order), as tests/test_triton_experts.py runs them
+    out += [(op, fp8, dataclasses.replace(cfg, claim_tiles=True), False) for op, fp8, cfg, gather in list(out)
+            if cfg.warp_specialize == "cooperative" and not gather and not cfg.claim_tiles]
     return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
             for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
                       else (0, ))]

@@ -4,6 +4,7 @@ Without CUDA the kernels run under the Triton interpreter on CPU tensors at tiny
 is set below, before anything imports triton); with CUDA the same small cases run on the GPU, and the
 `gpu`-marked cases add real model shapes.
 """
+import dataclasses
 import os
 
 import torch
@@ -470,6 +471,15 @@ def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():
     assert ptr.pointer_variant() == ptr
     assert GemmConfig(**WS.to_dict()) == WS  # the table's form round-trips
     assert "pipe_mma" not in WS.to_dict() and "warp_specialize" not in ptr.to_dict()
+    # claimed tiles: the cooperative schedule only, a tile-number slot per stage; the pointer kernel splits statically
+    cooperative = {**WS.to_dict(), "warp_specialize": "cooperative", "num_warps": 8}
+    for bad in (dict(WS.to_dict(), warp_specialize="interleaved"), dict(cooperative, num_stages=9),
+                dict(block_m=64, block_n=64, block_k=64)):
+        with pytest.raises(ValueError, match="claim_tiles needs"):
+            GemmConfig(**bad, claim_tiles=True)
+    claimed = GemmConfig(**cooperative, claim_tiles=True)
+    assert not claimed.pointer_variant().claim_tiles and claimed.to_dict()["claim_tiles"] is True
+    assert "+claim" in experts_tune.describe(claimed) and "+claim" not in experts_tune.describe(WS)
 
 
 def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypatch):
@@ -645,6 +655,64 @@ def test_warp_specialized_gather_kernel_gpu(fp8, cfg, D, monkeypatch):
     assert launched == [True]
 
 
+# The launch table's cooperative entries with their programs claiming tiles (rows read in order; no entry sets it
+# yet: BENCHMARKS.md, experts, what we tried).
+CLAIM_CASES = [(op, fp8, dataclasses.replace(cfg, claim_tiles=True)) for op in configs.OPS for fp8 in (False, True)
+               for cfg in dict.fromkeys(c for _, c in configs._table()[configs.table_key(op, fp8)])
+               if cfg.warp_specialize == "cooperative"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,fp8,cfg", CLAIM_CASES, ids=[f"{op}-{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
+                                                        for op, fp8, c in CLAIM_CASES])
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("counts", [[0, 1, 7, 64, 300, 129, 2, 1000], [5]])
+def test_claimed_tiles_match_the_static_split_gpu(op, fp8, cfg, batched, counts):
+    """Cooperative configs whose programs claim their tiles from the stream's counter: the same outputs, bit for
+    bit, as the static split of the same tiles (many tiles a program, and fewer tiles than programs; both
+    layouts); the counter back at zero after each launch; under CUDA graph capture the static split (the
+    graph's replays agree)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel needs a Hopper GPU")
+    ws = grouped_gemm.grouped_gemm_ws
+    static = dataclasses.replace(cfg, claim_tiles=False)
+    L, D, F = len(counts), 384, 256
+    rows, R = make_rows(counts, batched)
+    w13, w2 = weights(L, D, F)
+    if op == "gate_up":
+        a = torch.randn(R, D, device=DEVICE).bfloat16()
+        w, row_scale = w13, None
+    else:
+        a = torch.randn(R, F, device=DEVICE).bfloat16()
+        w, row_scale = w2, torch.rand(R, device=DEVICE)
+    if fp8:
+        w, w_s = quantize_weight_ref(w)
+        a, a_s = quantize_act_ref(a)
+    else:
+        w, w_s, a_s = w.bfloat16(), None, None
+
+    def run(config):
+        if op == "gate_up":
+            return gate_up(a, w, rows, x_scale_RG=a_s, w13_scale=w_s, config=config)[0]
+        return down(a, w, rows, h_scale_RG=a_s, w2_scale=w_s, row_scale_R=row_scale, out_dtype=torch.bfloat16,
+                    config=config)
+
+    want = run(static).view(torch.uint8)
+    for _ in range(3):  # the counter comes back to zero for the next launch on the stream
+        got = run(cfg).view(torch.uint8)
+        torch.cuda.synchronize()
+        assert ws.tile_counter(a.device).tolist() == [0, 0]
+        assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert ws.tile_counter(a.device) is None
+        in_graph = run(cfg)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(in_graph.view(torch.uint8), want)
+
+
 def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
     """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values a
     float32 sum in another order rounds to the neighbouring e4m3 value (one step: 2^-3 relative)."""
@@ -657,11 +725,12 @@ def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("op,fp8,gather,schedule", [
     ("gate_up", False, False, None), ("down", True, False, None), ("gate_up", True, False, None),
     ("gate_up", False, True, None), ("gate_up", True, True, None), ("down", False, False, "split"),
-    ("gate_up", True, False, "split")])
+    ("gate_up", True, False, "split"), ("gate_up", False, True, "claim"), ("gate_up", True, False, "claim")])
 def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, schedule, monkeypatch):
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
     of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
-    (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles)."""
+    (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles; claim: the
+    stream's tile counter, zero, in place of the unread pointer, but not through a row index)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -674,7 +743,12 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
                 calls.append((grid, signature.bind(*args, **kwargs).arguments, options))
             return launch
     monkeypatch.setattr(ws, "_ws_gemm_kernel", Spy())
-    cfg = next(c for c in experts_tune.WS_CANDIDATES[(op, fp8)] if schedule in (None, c.warp_specialize))
+    claim = schedule == "claim"
+    cfg = next(c for c in experts_tune.WS_CANDIDATES[(op, fp8)]
+               if ("cooperative" if claim else schedule) in (None, c.warp_specialize))
+    if claim:
+        cfg = dataclasses.replace(cfg, claim_tiles=True)
+        schedule = "cooperative"
     L, N, K, R = 3, 256, 384, 40
     w = torch.zeros(L, 2 * N if op == "gate_up" else N, K)
     a = torch.zeros(R, K)
@@ -700,6 +774,10 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
                                                                             out_scale is not None, False)
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
+    claimed = claim and not gather  # rows through a row index: the static split
+    assert meta.claim == claimed
+    assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claimed else offsets)
+    assert not claimed or bound["counter_ptr"].tolist() == [0, 0]
     # 16-bit outputs of the cooperative and split schedules store full tiles by TMA where the buffer fits (not
     # the fp8 h); a split consumer stores its half of a tile
     assert meta.tma_store == (cfg.warp_specialize in ("cooperative", "split") and out.dtype == torch.bfloat16

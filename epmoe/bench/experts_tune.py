@@ -120,8 +120,10 @@ _SHORT = {"cooperative": "coop", "interleaved": "intl", "split": "split"}
 
 
 def describe(cfg: GemmConfig) -> str:
-    kind = f"ws-{_SHORT[cfg.warp_specialize]}{'+pipe' if cfg.pipe_mma else ''}" if cfg.warp_specialize else (
-        f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}")
+    if cfg.warp_specialize:
+        kind = f"ws-{_SHORT[cfg.warp_specialize]}{'+pipe' if cfg.pipe_mma else ''}{'+claim' if cfg.claim_tiles else ''}"
+    else:
+        kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}"
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}"
 
 

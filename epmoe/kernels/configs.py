@@ -31,6 +31,7 @@ HAND_SET_ROWS = 64
 WS_SCHEDULES = ("cooperative", "interleaved", "split")
 # Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
 _POINTER_STAGE_BYTES = 200 * 1024
+CLAIM_MAX_STAGES = 8  # ring stages of a launch with claim_tiles (a tile-number slot each)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,9 @@ class GemmConfig:
     ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index with K not a
     multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`. None: the pointer
     kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first promoted while
-    the second runs.
+    the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
+    their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
+    of them (a static split under CUDA graph capture and through a row index).
     """
 
     block_m: int
@@ -58,6 +61,7 @@ class GemmConfig:
     tma: bool = False
     warp_specialize: str | None = None
     pipe_mma: bool = False
+    claim_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):
@@ -77,6 +81,9 @@ class GemmConfig:
                                  f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
+        if self.claim_tiles and (self.warp_specialize != "cooperative" or self.num_stages > CLAIM_MAX_STAGES):
+            raise ValueError(f"GemmConfig.claim_tiles needs warp_specialize='cooperative' and at most "
+                             f"{CLAIM_MAX_STAGES} stages, got {self}")
 
     def to_dict(self) -> dict:
         """The table's form: the fields that differ from their defaults, and the tile sizes."""
@@ -95,8 +102,8 @@ class GemmConfig:
         if self.warp_specialize is None:
             return self
         stage = (self.block_m + 2 * self.block_n) * self.block_k * element_size
-        return dataclasses.replace(self, warp_specialize=None, pipe_mma=False, num_warps=8, tma=True,
-                                   num_stages=max(2, min(self.num_stages, 4, _POINTER_STAGE_BYTES // stage)))
+        return dataclasses.replace(self, warp_specialize=None, pipe_mma=False, claim_tiles=False, num_warps=8,
+                                   tma=True, num_stages=max(2, min(self.num_stages, 4, _POINTER_STAGE_BYTES // stage)))
 
 
 # The interpreter (CPU) runs every program in numpy: small tiles keep the tests fast.

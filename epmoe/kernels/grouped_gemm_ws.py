@@ -25,6 +25,11 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   across iterations while other instructions read accumulators), so all of its promotions but the
   last overlap MMAs. Without pipe_mma each block is waited for and promoted before the next is issued
   (gate-up: the gate's MMA, then the up's, into one register tile).
+Tiles go to the programs statically (program p takes tiles p, p + programs, ...) or, with `Meta.claim`
+(cooperative schedule), from an atomic counter of the launch: the loader claims a tile when it has queued the
+last one's loads and hands its number to the consumer in a slot beside the ring stage of the tile's first K
+block, so that the SMs that get more of the memory bandwidth take more tiles; the last program to claim past
+the end sets the counter back to zero for the next launch on its stream (`tile_counter`).
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
@@ -56,6 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, num_groups
+from .configs import CLAIM_MAX_STAGES
 from .quant import FP8_MAX_C, MIN_AMAX_C
 from .tile_map import tile_coords
 
@@ -83,6 +89,7 @@ _MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
 MAX_EXPERTS = 256
 _MIN_EXPERT_LANES = 128
 _SCALE_GROUP = gl.constexpr(FP8_BLOCK)
+MAX_CLAIM_STAGES = gl.constexpr(CLAIM_MAX_STAGES)  # a launch with claimed tiles: its tile-number slots
 PIPE_BLOCKS = (4, 3, 2)  # K blocks per iteration the pipelined fp8 down loop may take (`pipe_blocks`)
 
 # TMA tile load into shared memory, signalling an mbarrier: `async_load` in newer Tritons, which removed
@@ -122,6 +129,7 @@ class Meta:
     block_k: int
     group_m: int
     stages: int
+    claim: bool = False  # tiles from the launch's counter (cooperative schedule; `tile_counter`)
     row_off: int = 0  # split: the first row of a tile this consumer multiplies (`for_consumer`)
 
     def for_consumer(self, consumer: int) -> "Meta":
@@ -198,6 +206,24 @@ def _ring_slot(j, n_mine, steps, META: gl.constexpr):
     return pos0, stride
 
 
+@gluon.jit
+def _post_tile(ring, pos, tile, META: gl.constexpr):
+    """Loader: wait until ring position pos's stage is free, then write tile (-1: no more) into its slot; the
+    stage's `ready` arrival publishes it. The loader's warps meet first, so that none writes a slot late."""
+    s = pos % META.stages
+    mbarrier.wait(ring[4].index(s), ((pos // META.stages) & 1) ^ 1)
+    _partition_barrier()
+    ring[5].index(s).store(gl.full([1], tile, gl.int32, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+
+@gluon.jit
+def _read_tile(ring, pos, META: gl.constexpr):
+    """Consumer: the tile number the loader wrote for ring position pos, once its stage is ready."""
+    s = pos % META.stages
+    mbarrier.wait(ring[3].index(s), (pos // META.stages) & 1)
+    return gl.max(ring[5].index(s).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+
+
 @gluon.constexpr_function
 def _copy_layout(block_k, element_bits, num_warps):
     """The loader's layout of a gathered A tile [block_m, block_k]: 16-byte pieces along K, a row's pieces
@@ -221,7 +247,7 @@ def _gather_rows(a_ptr, a_rows_ptr, row0, row_end, META: gl.constexpr):
 def _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, gathered, META: gl.constexpr):
     """Ring position pos <- A[row0:, k0:] (gather: A[src, k0:] of gathered = (a_ptr, K, src rows, live),
     by cp.async) and B[b_row:, k0:] (gate-up: and B[b_row + N:, k0:])."""
-    a_bufs, b_bufs, bu_bufs, ready, empty = ring
+    a_bufs, b_bufs, bu_bufs, ready, empty = ring[0], ring[1], ring[2], ring[3], ring[4]
     s = pos % META.stages
     # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the ring
     # does not wait.
@@ -261,7 +287,7 @@ def _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META: gl.constexpr):
 def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     """The loader: the K blocks of this program's tiles into the ring, in ring order."""
     index_ptr, L, SLOT_ROWS, N, K = args[5], args[6], args[7], args[9], args[10]
-    a_ptr, a_rows_ptr = args[15], args[16]
+    a_ptr, a_rows_ptr, counter_ptr = args[15], args[16], args[17]
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
@@ -293,6 +319,26 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
                 if full:
                     _load_block(a_desc, b_desc, ring, pos, row2, b_row2, k0, N, gathered2, META)
                     pos += 1
+    elif META.claim:
+        pos = 0
+        tile = gl.atomic_add(counter_ptr, 1)
+        while tile < total:
+            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
+                                                        num_tiles_n, META.group_m, META.block_m)
+            b_row = expert * b_rows_per_expert + pid_n * META.block_n
+            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
+            _post_tile(ring, pos, tile, META)
+            for kk in range(steps):
+                _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k,
+                            N, gathered, META)
+                pos += 1
+            tile = gl.atomic_add(counter_ptr, 1)
+        _post_tile(ring, pos, -1, META)
+        mbarrier.arrive(ring[3].index(pos % META.stages))
+        # Every program claims past the end once, then counts itself done: the last one resets the counter.
+        if gl.atomic_add(counter_ptr + 1, 1) == nprog - 1:
+            gl.store(counter_ptr, 0)
+            gl.store(counter_ptr + 1, 0)
     else:
         pos = 0
         for tile in range(pid, total, nprog):
@@ -310,7 +356,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
 def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.constexpr):
     """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile) of its stage, not waiting
     for the wgmma (split: the consumer's rows of A, from `Meta.row_off`)."""
-    a_bufs, b_bufs, bu_bufs, ready, empty = ring
+    a_bufs, b_bufs, bu_bufs, ready, empty = ring[0], ring[1], ring[2], ring[3], ring[4]
     s = pos % META.stages
     mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
     if META.gather:
@@ -441,7 +487,7 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ...
     (out: C's TMA descriptor and the shared buffer of its tiles, with `Meta.tma_store`)."""
     (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl,
-     stride_bsn, G_A, G_C, a_ptr, a_rows_ptr) = args
+     stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr) = args
     W: gl.constexpr = gl.num_warps()
     BITS: gl.constexpr = ring[0].dtype.primitive_bitwidth
     BLOCK_M: gl.constexpr = META.block_m
@@ -465,8 +511,14 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
     zero = gl.zeros((TILE_M, BLOCK_N), gl.float32, layout=mma)
-    for j in range(FIRST, n_mine, CONSUMERS):
-        expert, row0, row_end, pid_n = _tile_coords(pid + j * nprog, e, base, count, tiles, tiles_end,
+    j = FIRST
+    if META.claim:  # n_mine: the tiles known so far (one more while the loader hands out tiles)
+        tile = _read_tile(ring, 0, META)
+        n_mine = (tile >= 0).to(gl.int32)
+    else:
+        tile = pid + FIRST * nprog
+    while j < n_mine:
+        expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end,
                                                     num_tiles_m, num_tiles_n, META.group_m, META.block_m)
         pos0, stride = _ring_slot(j, n_mine, steps, META)
         offs_m = row0 + ROW_OFF + gl.arange(0, TILE_M, layout=rows_l)
@@ -513,6 +565,12 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
                 _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
         else:
             _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
+        j += CONSUMERS
+        if META.claim:
+            tile = _read_tile(ring, j * steps, META)
+            n_mine = j + (tile >= 0).to(gl.int32)
+        else:
+            tile = pid + j * nprog
     if META.tma_store:
         tma.store_wait(0)
 
@@ -520,14 +578,15 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
 # Sizes that do not shape the code are not specialized on (one binary serves every expert count).
 @gluon.jit(do_not_specialize=["L", "SLOT_ROWS", "R", "stride_bsl", "stride_bsn", "G_A", "G_C"])
 def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
-                    row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C,
+                    row_scale_ptr, index_ptr, counter_ptr, L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C,
                     META: gl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (gate-up: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of
     B[l]), as `grouped_gemm._grouped_gemm_kernel`: A through a_desc ([R, K], block [block_m, block_k]),
     or with `Meta.gather` A [S, K] at a_ptr, row i of the batch A[a_rows[i]] (a_desc then only gives the
     tiles' shape and shared layout); B through b_desc (B as [L * N (x2), K], block [block_n, block_k]),
     C [R, N] by pointers, and with `Meta.tma_store` full tiles through c_desc (block [block_m, block_n],
-    split: [block_m / 2, block_n]; else any descriptor, unread)."""
+    split: [block_m / 2, block_n]; else any descriptor, unread); counter_ptr: int32 [2], the launch's tile
+    counter and its programs done, zero at the start (`Meta.claim`; else unread)."""
     gl.static_assert(not META.gather or (META.gate_up and not META.batched), "a row index is for the gate-up, "
                      "contiguous layout")
     gl.static_assert(not META.fp8 or META.block_k == _SCALE_GROUP, "fp8 needs block_k == 128 (one scale group)")
@@ -538,6 +597,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     gl.static_assert(not META.tma_store or (META.schedule != 1 and not META.quant_out),
                      "TMA stores: the cooperative and split schedules' 16-bit outputs")
     gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
+    gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES and not META.gather),
+                     "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages, rows read in order")
     STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -550,14 +611,18 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1 + (_GATHER_ARRIVALS if META.gather else 0))
         mbarrier.init(empty.index(i), count=2 if META.schedule == 2 else 1)  # split: both consumers
-    ring = (a_bufs, b_bufs, bu_bufs, ready, empty)
+    if META.claim:  # a tile-number slot per stage
+        ids = gl.allocate_shared_memory(gl.int32, [MAX_CLAIM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    else:
+        ids = ready  # (unread)
+    ring = (a_bufs, b_bufs, bu_bufs, ready, empty, ids)
     if META.tma_store:  # split: a buffer per consumer
         shape: gl.constexpr = ([2] if META.schedule == 2 else []) + c_desc.block_type.shape
         out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, shape, c_desc.layout))
     else:
         out = (c_desc, a_bufs)  # (unread)
     args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
-            stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr)
+            stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr)
     loader_regs: gl.constexpr = (GATHER_LOADER_REGS if META.gather and not META.fp8 else
                                  SPLIT_LOADER_REGS if META.schedule == 2 and not META.gather else LOADER_REGS)
     if META.schedule == 0:
@@ -628,6 +693,28 @@ def pipe_blocks(k_tiles: int, gate_up: bool) -> int:
     return min(PIPE_BLOCKS, key=lambda u: (-(-k_tiles // u) * u, -u))
 
 
+# (device, stream handle) -> its launches' tile counter
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def tile_counter(device: torch.device) -> torch.Tensor | None:
+    """The tile counter of claiming launches on the current stream of `device`: int32 [2] (the next tile,
+    the programs done), zero between launches (each launch's last program resets it), one per stream so
+    that launches on concurrent streams never share one. None while the stream is being captured into a
+    CUDA graph: a graph would replay one counter with every later launch of its own (the launch then splits
+    its tiles statically)."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, out_scale, row_scale, *,
            gate_up: bool, cfg, programs: int, a_rows: torch.Tensor | None = None) -> None:
     """Launch the kernel for one grouped GEMM (operands checked by the caller, `supported` true).
@@ -635,7 +722,9 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     a [R, K] and w [L, N (x2 for gate-up), K] in one dtype (fp8: a_scale [R, G], w_scale [L, ., G]);
     or a [S, K] (and a_scale [S, G]) read through a_rows, int32 [R] in [0, S) (gate-up, contiguous);
     out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
-    offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM).
+    offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM). A config
+    with claim_tiles takes its tiles from the stream's `tile_counter` (statically under graph capture and for
+    rows read through a row index, whose stages' `ready` counts every loader thread).
     """
     R, N = out.shape
     K = a.shape[1]
@@ -652,16 +741,17 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
         c_block = tma_store_block(cfg)
         c_desc = TensorDescriptor.from_tensor(out, c_block,
                                               gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
+    counter = tile_counter(a.device) if cfg.claim_tiles and a_rows is None else None
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
                 gate_up=gate_up, fp8=fp8, pipe_blocks=pipe_blocks(triton.cdiv(K, cfg.block_k), gate_up)
                 if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
                 has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
-                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages)
+                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=counter is not None)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
         a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
         w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
-        L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
+        counter if counter is not None else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
