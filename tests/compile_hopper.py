@@ -166,9 +166,9 @@ def ws_jobs() -> list:
                 for _, cfg in configs._table()[configs.table_key(op, fp8, indexed)]:
                     if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
                         out.append((op, fp8, cfg, indexed))
-    # the cooperative entries with claimed tiles (rows read in order), as tests/test_triton_experts.py runs them
-    out += [(op, fp8, dataclasses.replace(cfg, claim_tiles=True), False) for op, fp8, cfg, gather in list(out)
-            if cfg.warp_specialize == "cooperative" and not gather and not cfg.claim_tiles]
+    # the cooperative entries with claimed tiles, as tests/test_triton_experts.py runs them
+    out += [(op, fp8, dataclasses.replace(cfg, claim_tiles=True), gather) for op, fp8, cfg, gather in list(out)
+            if cfg.warp_specialize == "cooperative" and not cfg.claim_tiles]
     return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
             for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
                       else (0, ))]

@@ -657,21 +657,25 @@ def test_warp_specialized_gather_kernel_gpu(fp8, cfg, D, monkeypatch):
 
 # The launch table's cooperative entries with their programs claiming tiles (rows read in order; no entry sets it
 # yet: BENCHMARKS.md, experts, what we tried).
-CLAIM_CASES = [(op, fp8, dataclasses.replace(cfg, claim_tiles=True)) for op in configs.OPS for fp8 in (False, True)
-               for cfg in dict.fromkeys(c for _, c in configs._table()[configs.table_key(op, fp8)])
+CLAIM_CASES = [(op, fp8, indexed, dataclasses.replace(cfg, claim_tiles=True)) for op in configs.OPS
+               for fp8 in (False, True) for indexed in ((False, True) if op == "gate_up" else (False,))
+               for cfg in dict.fromkeys(c for _, c in configs._table().get(configs.table_key(op, fp8, indexed), ()))
                if cfg.warp_specialize == "cooperative"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op,fp8,cfg", CLAIM_CASES, ids=[f"{op}-{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}"
-                                                        for op, fp8, c in CLAIM_CASES])
+@pytest.mark.parametrize("op,fp8,indexed,cfg", CLAIM_CASES,
+                         ids=[f"{op}-{'fp8' if fp8 else 'bf16'}{'-indexed' if ix else ''}-{experts_tune.describe(c)}"
+                              for op, fp8, ix, c in CLAIM_CASES])
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("counts", [[0, 1, 7, 64, 300, 129, 2, 1000], [5]])
-def test_claimed_tiles_match_the_static_split_gpu(op, fp8, cfg, batched, counts):
+def test_claimed_tiles_match_the_static_split_gpu(op, fp8, indexed, cfg, batched, counts):
     """Cooperative configs whose programs claim their tiles from the stream's counter: the same outputs, bit for
     bit, as the static split of the same tiles (many tiles a program, and fewer tiles than programs; both
-    layouts); the counter back at zero after each launch; under CUDA graph capture the static split (the
-    graph's replays agree)."""
+    layouts, and the gate-up through a row index); the counter back at zero after each launch; under CUDA
+    graph capture the static split (the graph's replays agree)."""
+    if indexed and batched:
+        pytest.skip("a row index is for the contiguous layout")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
     ws = grouped_gemm.grouped_gemm_ws
@@ -691,9 +695,11 @@ def test_claimed_tiles_match_the_static_split_gpu(op, fp8, cfg, batched, counts)
     else:
         w, w_s, a_s = w.bfloat16(), None, None
 
+    a_rows = torch.randperm(R, device=DEVICE).int() if indexed else None
+
     def run(config):
         if op == "gate_up":
-            return gate_up(a, w, rows, x_scale_RG=a_s, w13_scale=w_s, config=config)[0]
+            return gate_up(a, w, rows, x_scale_RG=a_s, w13_scale=w_s, x_rows_R=a_rows, config=config)[0]
         return down(a, w, rows, h_scale_RG=a_s, w2_scale=w_s, row_scale_R=row_scale, out_dtype=torch.bfloat16,
                     config=config)
 
@@ -730,7 +736,7 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
     of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
     (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles; claim: the
-    stream's tile counter, zero, in place of the unread pointer, but not through a row index)."""
+    stream's tile counter, zero, in place of the unread pointer)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -774,10 +780,9 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
                                                                             out_scale is not None, False)
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
-    claimed = claim and not gather  # rows through a row index: the static split
-    assert meta.claim == claimed
-    assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claimed else offsets)
-    assert not claimed or bound["counter_ptr"].tolist() == [0, 0]
+    assert meta.claim == claim
+    assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claim else offsets)
+    assert not claim or bound["counter_ptr"].tolist() == [0, 0]
     # 16-bit outputs of the cooperative and split schedules store full tiles by TMA where the buffer fits (not
     # the fp8 h); a split consumer stores its half of a tile
     assert meta.tma_store == (cfg.warp_specialize in ("cooperative", "split") and out.dtype == torch.bfloat16

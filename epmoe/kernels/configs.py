@@ -49,7 +49,7 @@ class GemmConfig:
     kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first promoted while
     the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
     their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
-    of them (a static split under CUDA graph capture and through a row index).
+    of them (a static split under CUDA graph capture).
     """
 
     block_m: int

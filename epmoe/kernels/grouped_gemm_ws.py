@@ -334,7 +334,10 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
                 pos += 1
             tile = gl.atomic_add(counter_ptr, 1)
         _post_tile(ring, pos, -1, META)
-        mbarrier.arrive(ring[3].index(pos % META.stages))
+        bar = ring[3].index(pos % META.stages)
+        mbarrier.arrive(bar)
+        if META.gather:  # a gathering stage's `ready` counts every loader thread too (none has a copy pending)
+            async_copy.mbarrier_arrive(bar, increment_count=False)
         # Every program claims past the end once, then counts itself done: the last one resets the counter.
         if gl.atomic_add(counter_ptr + 1, 1) == nprog - 1:
             gl.store(counter_ptr, 0)
@@ -597,8 +600,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     gl.static_assert(not META.tma_store or (META.schedule != 1 and not META.quant_out),
                      "TMA stores: the cooperative and split schedules' 16-bit outputs")
     gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
-    gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES and not META.gather),
-                     "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages, rows read in order")
+    gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES),
+                     "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages")
     STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -723,8 +726,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     or a [S, K] (and a_scale [S, G]) read through a_rows, int32 [R] in [0, S) (gate-up, contiguous);
     out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
     offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM). A config
-    with claim_tiles takes its tiles from the stream's `tile_counter` (statically under graph capture and for
-    rows read through a row index, whose stages' `ready` counts every loader thread).
+    with claim_tiles takes its tiles from the stream's `tile_counter` (statically under graph capture).
     """
     R, N = out.shape
     K = a.shape[1]
@@ -741,7 +743,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
         c_block = tma_store_block(cfg)
         c_desc = TensorDescriptor.from_tensor(out, c_block,
                                               gl.NVMMASharedLayout.get_default_for(c_block, _GL_DTYPES[out.dtype]))
-    counter = tile_counter(a.device) if cfg.claim_tiles and a_rows is None else None
+    counter = tile_counter(a.device) if cfg.claim_tiles else None
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
                 gate_up=gate_up, fp8=fp8, pipe_blocks=pipe_blocks(triton.cdiv(K, cfg.block_k), gate_up)
                 if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
