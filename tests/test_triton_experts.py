@@ -5,6 +5,7 @@ is set below, before anything imports triton); with CUDA the same small cases ru
 `gpu`-marked cases add real model shapes.
 """
 import dataclasses
+import json
 import os
 
 import torch
@@ -990,6 +991,44 @@ def test_bench_floor_and_table_format(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bench.main(["--out", str(tmp_path)])
+
+
+def _write_table(path, tables, comment="x"):
+    path.write_text(json.dumps({"comment": comment, "tables": tables}))
+    return path
+
+
+def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, monkeypatch):
+    """EPMOE_GEMM_TABLE: launches take their configs from that file (read at each call), the committed table
+    without it; a file that cannot serve every launch is refused with its name."""
+    committed = {key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}
+    mine = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    tables = {**committed, "gate_up_bf16": [[1000, mine.to_dict()]]}
+    path = _write_table(tmp_path / "mine.json", tables)
+    want = configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True)
+    assert want != mine
+    monkeypatch.setenv(configs.TABLE_ENV, str(path))
+    assert configs.table_path() == path
+    assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == mine
+    assert configs.gemm_config("gate_up", fp8=False, rows_hint=4096, on_gpu=True) == mine  # past the last bound
+    assert configs.gemm_config("down", fp8=True, rows_hint=128, on_gpu=True) == configs._table(configs.TABLE_PATH)[
+        "down_fp8"][3][1]
+    bad = {"missing": {k: v for k, v in tables.items() if k != "down_fp8"},
+           "unordered": {**tables, "down_bf16": [[256, mine.to_dict()], [128, mine.to_dict()]]},
+           "unknown field": {**tables, "down_bf16": [[256, {**mine.to_dict(), "blockm": 3}]]},
+           "invalid config": {**tables, "down_bf16": [[256, {**mine.to_dict(), "block_m": 8}]]}}
+    for name, broken in bad.items():
+        monkeypatch.setenv(configs.TABLE_ENV, str(_write_table(tmp_path / f"{name}.json", broken)))
+        with pytest.raises(ValueError, match=f"{name}.json \\(from EPMOE_GEMM_TABLE\\)"):
+            configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
+    (tmp_path / "garbled.json").write_text("{")
+    for name in ("garbled.json", "absent.json"):
+        monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / name))
+        with pytest.raises(ValueError, match=name):
+            configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
+    monkeypatch.delenv(configs.TABLE_ENV)
+    assert configs.table_path() == configs.TABLE_PATH
+    assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == want
 
 
 def test_auto_experts_order_by_device_and_layout():

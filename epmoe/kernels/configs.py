@@ -3,7 +3,8 @@
 Shape letters: R rows per expert (the host's estimate, see `rows_hint`), N output columns, K reduction size.
 
 The table is data (`configs.json` beside this file), written by `python -m epmoe.bench.experts --tune`
-on the GPU and committed; nothing is tuned at call time. Each table entry lists buckets
+on the GPU and committed (or any such file named by the environment variable `EPMOE_GEMM_TABLE`); nothing is
+tuned at call time. Each table entry lists buckets
 `[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins. Entries
 `<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index (tuned
 for it: the warp-specialized kernel's loader gathers the rows by cp.async; its buckets up to
@@ -16,10 +17,12 @@ import dataclasses
 import functools
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("configs.json")
+TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of TABLE_PATH (`table_path`)
 OPS = ("gate_up", "down")
 # The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
 # tuner's above; an `_indexed` table's buckets up to it (if it has any) are hand-set too, and serve gathered
@@ -116,10 +119,34 @@ def table_key(op: str, fp8: bool, indexed: bool = False) -> str:
     return f"{op}_{'fp8' if fp8 else 'bf16'}" + ("_indexed" if indexed else "")
 
 
+def table_path() -> Path:
+    """The launch table in use: the file `EPMOE_GEMM_TABLE` names (a tuner's configs.json, say), else the
+    committed TABLE_PATH. Read at each launch, so that a process can switch tables between calls."""
+    return Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+
+
+def _table(path: Path | None = None) -> dict[str, list[tuple[int, GemmConfig]]]:
+    return _load_table(path or table_path())
+
+
 @functools.cache
-def _table(path: Path = TABLE_PATH) -> dict[str, list[tuple[int, GemmConfig]]]:
-    raw = json.loads(path.read_text())
-    return {key: [(bound, GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw["tables"].items()}
+def _load_table(path: Path) -> dict[str, list[tuple[int, GemmConfig]]]:
+    """{table key: [(max rows per expert, config), ...]} of a configs.json; ValueError, naming the file, if it
+    cannot serve every launch (a plain entry per op and precision, buckets in increasing order, valid configs)."""
+    where = f"launch table {path}" + (f" (from {TABLE_ENV})" if os.environ.get(TABLE_ENV) else "")
+    try:
+        raw = json.loads(path.read_text())["tables"]
+        table = {key: [(int(bound), GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    for key in (table_key(op, fp8) for op in OPS for fp8 in (False, True)):
+        if not table.get(key):
+            raise ValueError(f"{where}: no buckets for {key!r}")
+    for key, buckets in table.items():
+        bounds = [bound for bound, _ in buckets]
+        if bounds != sorted(set(bounds)) or not bounds or bounds[0] < 1:
+            raise ValueError(f"{where}: {key!r} needs buckets of increasing max rows >= 1, got {bounds}")
+    return table
 
 
 def routed_rows(mean: int) -> int:
