@@ -66,6 +66,7 @@ import triton
 
 from .._table import format_table
 from ..config import MoEConfig
+from ..kernels import configs
 from ..layer import FusedMoE
 from ..quant import dequantize_weight_ref, quantize_weights_ref
 from ..registry import list_experts
@@ -525,7 +526,8 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
         folder.mkdir(parents=True, exist_ok=True)
         result = {"bench": "moe", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__, "triton": triton.__version__,
-                  "transformers": hf_peer.transformers_version(), "repeats": repeats, "seed": seed,
+                  "transformers": hf_peer.transformers_version(), "gemm_table": str(configs.table_path()),
+                  "repeats": repeats, "seed": seed,
                   "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS, "copy_tbps": COPY_TBPS},
                   "gemm_kernel_patterns": list(GEMM_KERNEL_PATTERNS), "skipped": skipped, "seconds": seconds,
                   "points": records}
