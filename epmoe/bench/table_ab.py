@@ -1,0 +1,109 @@
+"""Time the expert kernels under one launch table against another, on one GPU.
+
+`epmoe bench experts` or `epmoe bench moe` runs again and again, each run in its own process with
+`EPMOE_GEMM_TABLE` naming one of the two tables, in the order old new new old (old new per round, the
+second round reversed, so that a drift of the machine's clock or temperature over the runs weighs on both
+alike). Prints each point's median time under both tables and old / new (above 1: the new table is
+faster), and the spread of the runs (the largest time over the smallest, of either table), which says how
+far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
+
+    python -m epmoe.bench.table_ab --old OLD.json [--new NEW.json] [--rounds 2] [--out DIR] experts --tokens 16 128
+    python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
+
+NEW defaults to the checkout's table (epmoe/kernels/configs.json); the bench's own arguments follow its
+name. `git show main:epmoe/kernels/configs.json > old.json` makes OLD the table on main.
+Points timed: experts, the Triton bf16 and fp8 MLPs (and the batched layout's bf16 where the bench runs
+it); moe, each epmoe row's GPU time (a row over tolerance is reported as such).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from .._table import format_table
+from ..kernels import configs
+
+BENCHES = {"experts": "experts.json", "moe": "moe.json"}
+EXPERTS_TIMES = ("triton_bf16_ms", "triton_fp8_ms", "triton_bf16_bat_ms")
+
+
+def schedule(rounds: int) -> list[str]:
+    """The tables' order: old new, then new old, and so on (`rounds` of each)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return [tag for r in range(rounds) for tag in (("old", "new") if r % 2 == 0 else ("new", "old"))]
+
+
+def times(bench: str, result: dict) -> tuple[dict[str, float], list[str]]:
+    """({point: ms}, [points over tolerance]) of one run's JSON."""
+    got, bad = {}, []
+    for p in result["points"]:
+        if bench == "experts":
+            for key in EXPERTS_TIMES:
+                if key in p:
+                    got[f"{p['shape']} t={p['tokens_per_expert']} {key[:-3]}"] = p[key]
+        elif p["impl"].startswith("epmoe"):
+            name = f"{p['shape']} T={p['T']} {p['quant']} {p['impl']}"
+            got[name] = p["gpu_us"] / 1e3
+            if not p["ok"]:
+                bad.append(name)
+    return got, bad
+
+
+def compare(runs: list[tuple[str, dict[str, float]]]) -> list[dict]:
+    """Per point timed in every run: the median ms under each table, old / new, and the runs' spread."""
+    names = set.intersection(*(set(t) for _, t in runs))
+    rows = []
+    for name in sorted(names):
+        by = {tag: [t[name] for g, t in runs if g == tag] for tag in ("old", "new")}
+        every = by["old"] + by["new"]
+        old, new = statistics.median(by["old"]), statistics.median(by["new"])
+        rows.append({"point": name, "old_ms": old, "new_ms": new, "old_over_new": old / new,
+                     "spread": max(every) / min(every)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m epmoe.bench.table_ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", required=True, type=Path, help="the launch table to compare against")
+    p.add_argument("--new", type=Path, default=configs.TABLE_PATH, help="the launch table to try (default: the "
+                   "checkout's)")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each table")
+    p.add_argument("--out", type=Path, default=Path("table_ab"), help="folder for the runs' JSON and ab.json")
+    p.add_argument("bench", choices=sorted(BENCHES))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of `epmoe bench BENCH`")
+    args = p.parse_args(argv)
+    order = schedule(args.rounds)
+    tables = {"old": args.old.resolve(), "new": args.new.resolve()}
+    for tag, path in tables.items():
+        configs._table(path)  # refuse a table that cannot serve every launch before any run
+    runs, bad = [], set()
+    for i, tag in enumerate(order):
+        folder = args.out / f"{i}_{tag}"
+        cmd = [sys.executable, "-m", "epmoe.cli", "bench", args.bench, *args.args, "--out", str(folder)]
+        print(f"# run {i + 1}/{len(order)}, {tag} table: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, configs.TABLE_ENV: str(tables[tag])},
+                       stdout=subprocess.DEVNULL)
+        got, over = times(args.bench, json.loads((folder / BENCHES[args.bench]).read_text()))
+        runs.append((tag, got))
+        bad.update(f"{n} ({tag})" for n in over)
+    rows = compare(runs)
+    print(format_table(["point", "old ms", "new ms", "old/new", "spread"],
+                       [[r["point"], f"{r['old_ms']:.4f}", f"{r['new_ms']:.4f}", f"{r['old_over_new']:.3f}",
+                         f"{r['spread']:.3f}"] for r in rows]))
+    if bad:
+        print("over tolerance: " + ", ".join(sorted(bad)))
+    (args.out / "ab.json").write_text(json.dumps({"tables": {k: str(v) for k, v in tables.items()}, "order": order,
+                                                  "bench": args.bench, "args": args.args, "rows": rows,
+                                                  "over_tolerance": sorted(bad)}, indent=1) + "\n")
+    if bad:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

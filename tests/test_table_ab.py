@@ -1,0 +1,74 @@
+"""epmoe.bench.table_ab: the order of the runs, the times read from each bench's JSON, the comparison, and the
+whole command with the bench runs replaced by a stand-in that writes JSON according to the table it is given."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epmoe.bench import table_ab
+from epmoe.kernels import configs
+
+
+def test_schedule_alternates_the_tables_round_by_round():
+    assert table_ab.schedule(1) == ["old", "new"]
+    assert table_ab.schedule(3) == ["old", "new", "new", "old", "old", "new"]
+    with pytest.raises(ValueError, match="rounds"):
+        table_ab.schedule(0)
+
+
+def test_times_of_each_bench():
+    experts = {"points": [{"shape": "q", "tokens_per_expert": 16, "triton_bf16_ms": 1.0, "triton_fp8_ms": 0.5,
+                           "triton_bf16_bat_ms": 0.9, "gmm_ms": 2.0}]}
+    assert table_ab.times("experts", experts) == ({"q t=16 triton_bf16": 1.0, "q t=16 triton_fp8": 0.5,
+                                                   "q t=16 triton_bf16_bat": 0.9}, [])
+    moe = {"points": [{"shape": "q", "T": 256, "quant": "bf16", "impl": "transformers grouped_mm", "gpu_us": 900.0,
+                       "ok": True},
+                      {"shape": "q", "T": 256, "quant": "bf16", "impl": "epmoe auto", "gpu_us": 300.0, "ok": True},
+                      {"shape": "q", "T": 256, "quant": "fp8_block", "impl": "epmoe triton", "gpu_us": 200.0,
+                       "ok": False}]}
+    assert table_ab.times("moe", moe) == ({"q T=256 bf16 epmoe auto": 0.3, "q T=256 fp8_block epmoe triton": 0.2},
+                                          ["q T=256 fp8_block epmoe triton"])
+
+
+def test_compare_takes_medians_over_the_points_every_run_has():
+    runs = [("old", {"a": 2.0, "b": 1.0}), ("new", {"a": 1.0, "b": 1.0}), ("new", {"a": 1.2}),
+            ("old", {"a": 2.4, "b": 1.0}), ("old", {"a": 2.2})]
+    [row] = table_ab.compare(runs)
+    assert row["point"] == "a" and row["old_ms"] == 2.2 and row["new_ms"] == pytest.approx(1.1)
+    assert row["old_over_new"] == pytest.approx(2.2 / 1.1) and row["spread"] == pytest.approx(2.4)
+
+
+def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
+    committed = {key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"comment": "old", "tables": committed}))
+    seen = []
+
+    def fake_bench(cmd, check, env, stdout):  # a bench twice as slow under the old table
+        assert cmd[:5] == [sys.executable, "-m", "epmoe.cli", "bench", "experts"] and cmd[5:7] == ["--tokens", "16"]
+        table = Path(env[configs.TABLE_ENV])
+        seen.append("old" if table == old.resolve() else "new")
+        folder = Path(cmd[cmd.index("--out") + 1])
+        folder.mkdir(parents=True)
+        ms = 2.0 if seen[-1] == "old" else 1.0
+        (folder / "experts.json").write_text(json.dumps({"points": [
+            {"shape": "q", "tokens_per_expert": 16, "triton_bf16_ms": ms, "triton_fp8_ms": ms / 2}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(table_ab.subprocess, "run", fake_bench)
+    table_ab.main(["--old", str(old), "--out", str(tmp_path / "ab"), "experts", "--tokens", "16"])
+    assert seen == ["old", "new", "new", "old"]
+    result = json.loads((tmp_path / "ab" / "ab.json").read_text())
+    assert [r["old_over_new"] for r in result["rows"]] == [2.0, 2.0]
+    assert result["tables"]["new"] == str(configs.TABLE_PATH.resolve())
+    assert "q t=16 triton_fp8" in capsys.readouterr().out
+
+
+def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"comment": "", "tables": {}}))
+    monkeypatch.setattr(table_ab.subprocess, "run", lambda *a, **k: pytest.fail("ran a bench"))
+    with pytest.raises(ValueError, match="bad.json: no buckets for 'gate_up_bf16'"):
+        table_ab.main(["--old", str(bad), "--out", str(tmp_path / "ab"), "moe"])
