@@ -38,7 +38,7 @@ import torch
 from epmoe.bench.experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
 from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
 from epmoe.bench.moe import SHAPES
-from epmoe.kernels.configs import GemmConfig, gemm_config
+from epmoe.kernels.configs import POINTER_STAGE_BYTES, GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
 from epmoe.kernels.grouped_gemm_ws import SHARED_BYTES
 from epmoe.kernels.layout import sort_pairs
@@ -48,7 +48,6 @@ from epmoe.testing import rel_error
 from epmoe.timing import gpu_us
 
 PEAK_TFLOPS = {"bf16": PEAK_BF16_TFLOPS, "fp8_block": PEAK_FP8_TFLOPS}
-SMEM_BYTES = 200 * 1024
 
 
 def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
@@ -60,7 +59,7 @@ def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
             ((64, 128, 256), (64, 128), (4, 8), (3, 5)) if fp8 else ((32, 64, 128), (128, 256), (4, 8), (3, 4, 6)))
     for bn, bk, warps, stages in itertools.product(*grid):
         stage = (block_m + (2 if gate else 1) * bn) * bk * (1 if fp8 else 2)
-        if stage * stages > SMEM_BYTES:
+        if stage * stages > POINTER_STAGE_BYTES:
             continue
         out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
     return out
@@ -73,7 +72,7 @@ def prefill_candidates(gate: bool) -> list[GemmConfig]:
     pool = list(INDEXED_CANDIDATES[False]) if gate else list(WS_CANDIDATES[("down", False)]) + list(
         POINTER_CANDIDATES[("down", False)])
     for bn, warps, stages in ((128, 4, 4), (256, 8, 3)):
-        if (64 + (2 if gate else 1) * bn) * 64 * 2 * stages <= SMEM_BYTES:
+        if (64 + (2 if gate else 1) * bn) * 64 * 2 * stages <= POINTER_STAGE_BYTES:
             pool.append(GemmConfig(block_m=64, block_n=bn, block_k=64, group_m=8, num_warps=warps, num_stages=stages))
     if not gate:
         pool += [GemmConfig(block_m=64, block_n=bn, block_k=64, group_m=8, num_warps=4, num_stages=stages,

@@ -33,7 +33,7 @@ HAND_SET_ROWS = 64
 # half its rows each (split).
 WS_SCHEDULES = ("cooperative", "interleaved", "split")
 # Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
-_POINTER_STAGE_BYTES = 200 * 1024
+POINTER_STAGE_BYTES = 200 * 1024
 CLAIM_MAX_STAGES = 8  # ring stages of a launch with claim_tiles (a tile-number slot each)
 
 
@@ -106,7 +106,7 @@ class GemmConfig:
             return self
         stage = (self.block_m + 2 * self.block_n) * self.block_k * element_size
         return dataclasses.replace(self, warp_specialize=None, pipe_mma=False, claim_tiles=False, num_warps=8,
-                                   tma=True, num_stages=max(2, min(self.num_stages, 4, _POINTER_STAGE_BYTES // stage)))
+                                   tma=True, num_stages=max(2, min(self.num_stages, 4, POINTER_STAGE_BYTES // stage)))
 
 
 # The interpreter (CPU) runs every program in numpy: small tiles keep the tests fast.
