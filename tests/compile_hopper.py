@@ -167,8 +167,10 @@ def ws_jobs() -> list:
                     if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
                         out.append((op, fp8, cfg, indexed))
     # the cooperative entries with claimed tiles, as tests/test_triton_experts.py runs them
-    out += [(op, fp8, dataclasses.replace(cfg, claim_tiles=True), gather) for op, fp8, cfg, gather in list(out)
-            if cfg.warp_specialize == "cooperative" and not cfg.claim_tiles]
+    for op, fp8, cfg, gather in list(out):
+        if cfg.warp_specialize == "cooperative" and (op, fp8, claimed := dataclasses.replace(
+                cfg, claim_tiles=True), gather) not in out:
+            out.append((op, fp8, claimed, gather))
     return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
             for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
                       else (0, ))]

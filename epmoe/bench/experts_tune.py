@@ -59,11 +59,12 @@ TOP_K = 8  # an indexed gate-up reads R rows from S = R / TOP_K source rows
 CHECK_EXPERTS = 16
 
 
-def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False) -> GemmConfig:
+def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False,
+              claim: bool = False) -> GemmConfig:
     """A warp-specialized launch config: an m x n x k tile on `schedule` with `stages` ring stages (8 consumer
-    warps cooperative, else 4; GROUP_M 8); pipe: pipe_mma (fp8)."""
+    warps cooperative, else 4; GROUP_M 8); pipe: pipe_mma (fp8); claim: claim_tiles (cooperative)."""
     return GemmConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=8 if schedule == "cooperative" else 4,
-                      num_stages=stages, warp_specialize=schedule, pipe_mma=pipe)
+                      num_stages=stages, warp_specialize=schedule, pipe_mma=pipe, claim_tiles=claim)
 
 
 # Warp-specialized candidates per (op, fp8), the same for every bucket. Shared memory: stages of
@@ -78,15 +79,19 @@ def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = F
 # PIPE_MMA's gate-up (two block results of the gate and the up).
 # The interleaved bf16 gate-up (64x128x64, 5 stages) is left out: it twice misbehaved in the tuner's checks
 # on the H200 (an unspecified launch failure at Mixtral-8x7B's shape, a wrong result at V2-Lite's: rel.
-# error 0.032), never reproduced and never understood; it won no bucket.
+# error 0.032), never reproduced and never understood; it won no bucket. The cooperative gate-ups run also with
+# claim_tiles (the programs take tiles from a counter: 1.01-1.07x at 128 rows per expert, 0.98-0.99x at 256 in
+# `bench experts`, BENCHMARKS.md "what we tried"), so that the tuner decides it per bucket.
 WS_CANDIDATES = {
-    ("gate_up", False): (ws_config("cooperative", 128, 128, 64, 4), ws_config("split", 128, 128, 64, 4)),
+    ("gate_up", False): (ws_config("cooperative", 128, 128, 64, 4), ws_config("split", 128, 128, 64, 4),
+                         ws_config("cooperative", 128, 128, 64, 4, claim=True)),
     ("down", False): (ws_config("cooperative", 128, 256, 64, 4), ws_config("cooperative", 128, 256, 64, 3),
                       ws_config("cooperative", 128, 128, 64, 6),
                       ws_config("interleaved", 128, 128, 64, 6), ws_config("split", 128, 256, 64, 3),
                       ws_config("split", 128, 128, 64, 6)),
     ("gate_up", True): (ws_config("cooperative", 64, 128, 128, 5, pipe=True), ws_config("cooperative", 128, 128, 128, 4),
-                        ws_config("interleaved", 64, 64, 128, 8), ws_config("split", 128, 128, 128, 4)),
+                        ws_config("interleaved", 64, 64, 128, 8), ws_config("split", 128, 128, 128, 4),
+                        ws_config("cooperative", 128, 128, 128, 4, claim=True)),
     ("down", True): (ws_config("cooperative", 128, 128, 128, 6, pipe=True), ws_config("cooperative", 128, 128, 128, 6),
                      ws_config("interleaved", 64, 128, 128, 8), ws_config("split", 128, 128, 128, 6),
                      ws_config("split", 128, 128, 128, 6, pipe=True)),
@@ -100,6 +105,7 @@ POINTER_CANDIDATES = {
 }
 INDEXED_CANDIDATES = {
     False: (ws_config("cooperative", 128, 128, 64, 4), ws_config("split", 128, 128, 64, 4),
+            ws_config("cooperative", 128, 128, 64, 4, claim=True),
             GemmConfig(block_m=64, block_n=128, block_k=64, group_m=4, num_warps=4, num_stages=4),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True),
             GemmConfig(block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8, num_stages=3, tma=True)),
