@@ -10,9 +10,11 @@
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
-#   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets)
+#   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
+#   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
+#   default the checkout's; AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile, host and decode). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -67,6 +69,17 @@ decode_sweeps() {
         mixtral-8x7b:16 mixtral-8x7b:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024
 }
 
+table_ab() {
+    [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
+    local new=(); [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose
+    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_experts" experts \
+        ${AB_EXPERTS:---tokens 16 32 64 128} || return 1
+    # shellcheck disable=SC2086
+    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_moe" moe \
+        ${AB_MOE:---quant bf16 fp8_block --tokens 256 1024 2048 4096}
+}
+
 pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
     local status=0
     "${LIMIT[@]}" "$PY" -m pytest -q -m "$1" --junitxml="$OUT/$2.xml" tests || status=$?
@@ -90,6 +103,7 @@ stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$
 stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
 stage decode   decode_sweeps
+stage ab       table_ab
 stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {

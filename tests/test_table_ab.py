@@ -66,9 +66,11 @@ def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
     assert "q t=16 triton_fp8" in capsys.readouterr().out
 
 
-def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, monkeypatch):
+def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"comment": "", "tables": {}}))
     monkeypatch.setattr(table_ab.subprocess, "run", lambda *a, **k: pytest.fail("ran a bench"))
-    with pytest.raises(ValueError, match="bad.json: no buckets for 'gate_up_bf16'"):
-        table_ab.main(["--old", str(bad), "--out", str(tmp_path / "ab"), "moe"])
+    for table, says in ((bad, "bad.json: no buckets for 'gate_up_bf16'"), (tmp_path / "absent.json", "absent.json")):
+        with pytest.raises(SystemExit) as exit_:
+            table_ab.main(["--old", str(table), "--out", str(tmp_path / "ab"), "moe"])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -80,8 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     order = schedule(args.rounds)
     tables = {"old": args.old.resolve(), "new": args.new.resolve()}
-    for tag, path in tables.items():
-        configs._table(path)  # refuse a table that cannot serve every launch before any run
+    for path in tables.values():
+        try:
+            configs._table(path)  # refuse a table that cannot serve every launch before any run
+        except ValueError as exc:
+            p.error(str(exc))
     runs, bad = [], set()
     for i, tag in enumerate(order):
         folder = args.out / f"{i}_{tag}"
