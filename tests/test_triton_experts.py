@@ -674,8 +674,8 @@ CLAIM_CASES = [(op, fp8, indexed, cfg) for op in configs.OPS
 def test_claimed_tiles_match_the_static_split_gpu(op, fp8, indexed, cfg, batched, counts):
     """Cooperative configs whose programs claim their tiles from the stream's counter: the same outputs, bit for
     bit, as the static split of the same tiles (many tiles a program, and fewer tiles than programs; both
-    layouts, and the gate-up through a row index); the counter back at zero after each launch; under CUDA
-    graph capture the static split (the graph's replays agree)."""
+    layouts, and the gate-up through a row index); the counter back at zero after each launch; captured into
+    a CUDA graph with a counter of its own (its replays agree, between eager launches)."""
     if indexed and batched:
         pytest.skip("a row index is for the contiguous layout")
     if torch.cuda.get_device_capability()[0] != 9:
@@ -716,14 +716,17 @@ def test_claimed_tiles_match_the_static_split_gpu(op, fp8, indexed, cfg, batched
         torch.cuda.synchronize()
         assert ws.tile_counter(a.device).tolist() == [0, 0]
         assert torch.equal(got, want)
+    eager = ws.tile_counter(a.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert ws.tile_counter(a.device) is None
+        assert ws.tile_counter(a.device).data_ptr() != eager.data_ptr()  # the launch's own, zeroed in the graph
         in_graph = run(cfg)
-    graph.replay()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(in_graph[valid].view(torch.uint8), want)
+    for _ in range(2):  # replays beside eager launches
+        graph.replay()
+        got = outputs(cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(in_graph[valid].view(torch.uint8), want) and torch.equal(got, want)
+        assert eager.tolist() == [0, 0]
 
 
 def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class GemmConfig:
     kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first promoted while
     the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
     their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
-    of them (a static split under CUDA graph capture).
+    of them (under CUDA graph capture too: `grouped_gemm_ws.tile_counter`).
     """
 
     block_m: int

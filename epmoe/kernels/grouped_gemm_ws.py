@@ -338,7 +338,9 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
         mbarrier.arrive(bar)
         if META.gather:  # a gathering stage's `ready` counts every loader thread too (none has a copy pending)
             async_copy.mbarrier_arrive(bar, increment_count=False)
-        # Every program claims past the end once, then counts itself done: the last one resets the counter.
+        # Every program claims past the end once, then counts itself done: the last one resets the counter
+        # (before the grid ends: a next launch that programmatic dependent launch let start early could claim
+        # before this store).
         if gl.atomic_add(counter_ptr + 1, 1) == nprog - 1:
             gl.store(counter_ptr, 0)
             gl.store(counter_ptr + 1, 0)
@@ -700,17 +702,19 @@ def pipe_blocks(k_tiles: int, gate_up: bool) -> int:
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def tile_counter(device: torch.device) -> torch.Tensor | None:
-    """The tile counter of claiming launches on the current stream of `device`: int32 [2] (the next tile,
-    the programs done), zero between launches (each launch's last program resets it), one per stream so
-    that launches on concurrent streams never share one. None while the stream is being captured into a
-    CUDA graph: a graph would replay one counter with every later launch of its own (the launch then splits
-    its tiles statically)."""
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The tile counter of a claiming launch on the current stream of `device`: int32 [2] (the next tile,
+    the programs done), zero at the start of the launch. Eager: the stream's own, zero between launches
+    (each launch's last program resets it), so that launches on concurrent streams never share one and
+    none pays for zeroing it. While the stream is being captured into a CUDA graph: a counter of the
+    launch's own from the graph's memory pool, zeroed by a node of the graph before the kernel's (a
+    replay can run beside eager launches on any stream; the same kernel as eager, so that a capture
+    compiles nothing)."""
     stream = 0
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return None
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(2, dtype=torch.int32, device=device)
         stream = torch.cuda.current_stream(device).cuda_stream
     key = (device, stream)
     if key not in _COUNTERS:
@@ -726,7 +730,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     or a [S, K] (and a_scale [S, G]) read through a_rows, int32 [R] in [0, S) (gate-up, contiguous);
     out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
     offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM). A config
-    with claim_tiles takes its tiles from the stream's `tile_counter` (statically under graph capture).
+    with claim_tiles takes its tiles from a `tile_counter`.
     """
     R, N = out.shape
     K = a.shape[1]
