@@ -5,6 +5,7 @@ is set below, before anything imports triton); with CUDA the same small cases ru
 `gpu`-marked cases add real model shapes.
 """
 import dataclasses
+import functools
 import json
 import os
 
@@ -1002,8 +1003,10 @@ def _write_table(path, tables, comment="x"):
 
 
 def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, monkeypatch):
-    """EPMOE_GEMM_TABLE: launches take their configs from that file (read at each call), the committed table
-    without it; a file that cannot serve every launch is refused with its name."""
+    """EPMOE_GEMM_TABLE: launches take their configs from that file (read at the first launch of the process,
+    here again after each change), the committed table without it; a file that cannot serve every launch is
+    refused with its name."""
+    monkeypatch.setattr(configs, "_in_use", functools.cache(configs._in_use.__wrapped__))  # this test's own
     committed = {key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}
     mine = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
     tables = {**committed, "gate_up_bf16": [[1000, mine.to_dict()]]}
@@ -1011,9 +1014,12 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
     want = configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True)
     assert want != mine
     monkeypatch.setenv(configs.TABLE_ENV, str(path))
+    configs._in_use.cache_clear()
     assert configs.table_path() == path
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == mine
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=4096, on_gpu=True) == mine  # past the last bound
+    monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / "absent.json"))  # read once: no change within a process
+    assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == mine
     assert configs.gemm_config("down", fp8=True, rows_hint=128, on_gpu=True) == configs._table(configs.TABLE_PATH)[
         "down_fp8"][3][1]
     bad = {"missing": {k: v for k, v in tables.items() if k != "down_fp8"},
@@ -1022,14 +1028,17 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
            "invalid config": {**tables, "down_bf16": [[256, {**mine.to_dict(), "block_m": 8}]]}}
     for name, broken in bad.items():
         monkeypatch.setenv(configs.TABLE_ENV, str(_write_table(tmp_path / f"{name}.json", broken)))
+        configs._in_use.cache_clear()
         with pytest.raises(ValueError, match=f"{name}.json \\(from EPMOE_GEMM_TABLE\\)"):
             configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
     (tmp_path / "garbled.json").write_text("{")
     for name in ("garbled.json", "absent.json"):
         monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / name))
+        configs._in_use.cache_clear()
         with pytest.raises(ValueError, match=name):
             configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
     monkeypatch.delenv(configs.TABLE_ENV)
+    configs._in_use.cache_clear()
     assert configs.table_path() == configs.TABLE_PATH
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == want
 

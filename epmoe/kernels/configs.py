@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TABLE_PATH = Path(__file__).with_name("configs.json")
-TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of TABLE_PATH (`table_path`)
+TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of TABLE_PATH (read once: `table_path`)
 OPS = ("gate_up", "down")
 # The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
 # tuner's above; an `_indexed` table's buckets up to it (if it has any) are hand-set too, and serve gathered
@@ -121,19 +121,28 @@ def table_key(op: str, fp8: bool, indexed: bool = False) -> str:
 
 def table_path() -> Path:
     """The launch table in use: the file `EPMOE_GEMM_TABLE` names (a tuner's configs.json, say), else the
-    committed TABLE_PATH. Read at each launch, so that a process can switch tables between calls."""
-    return Path(os.environ.get(TABLE_ENV) or TABLE_PATH)
+    committed TABLE_PATH; read once, at the first launch (`_in_use`)."""
+    return _in_use()[0]
 
 
 def _table(path: Path | None = None) -> dict[str, list[tuple[int, GemmConfig]]]:
-    return _load_table(path or table_path())
+    """The table at `path`, or the one in use."""
+    return _load_table(path) if path is not None else _in_use()[1]
 
 
 @functools.cache
-def _load_table(path: Path) -> dict[str, list[tuple[int, GemmConfig]]]:
-    """{table key: [(max rows per expert, config), ...]} of a configs.json; ValueError, naming the file, if it
-    cannot serve every launch (a plain entry per op and precision, buckets in increasing order, valid configs)."""
-    where = f"launch table {path}" + (f" (from {TABLE_ENV})" if os.environ.get(TABLE_ENV) else "")
+def _in_use() -> tuple[Path, dict[str, list[tuple[int, GemmConfig]]]]:
+    named = os.environ.get(TABLE_ENV)
+    path = Path(named) if named else TABLE_PATH
+    return path, _load_table(path, f" (from {TABLE_ENV})" if named else "")
+
+
+@functools.cache
+def _load_table(path: Path, source: str = "") -> dict[str, list[tuple[int, GemmConfig]]]:
+    """{table key: [(max rows per expert, config), ...]} of a configs.json; ValueError, naming the file (and
+    `source`, where it was named), if it cannot serve every launch (a plain entry per op and precision,
+    buckets in increasing order, valid configs)."""
+    where = f"launch table {path}{source}"
     try:
         raw = json.loads(path.read_text())["tables"]
         table = {key: [(int(bound), GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw.items()}
