@@ -14,7 +14,8 @@
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
 #   default the checkout's; AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next one still runs.
+# profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next
+# one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.

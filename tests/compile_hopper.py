@@ -139,7 +139,8 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
         a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
         c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c,
         c_scale_ptr="*fp32", row_scale_ptr="*fp32",
-        index_ptr="*i32", counter_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32", stride_bsn="i32",
+        index_ptr="*i32", counter_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32",
+        stride_bsn="i32",
         G_A="i32", G_C="i32")
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
                    fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,

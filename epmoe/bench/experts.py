@@ -199,8 +199,9 @@ def run_bench(args, dev: torch.device) -> dict:
         torch.cuda.empty_cache()
     print_table(rows)
     return {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
-            "gemm_table": str(configs_mod.table_path()), "max_rows": args.max_rows, "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS,
-                                                  "copy_tbps": COPY_TBPS}, "points": rows}
+            "gemm_table": str(configs_mod.table_path()), "max_rows": args.max_rows,
+            "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS, "copy_tbps": COPY_TBPS},
+            "points": rows}
 
 
 def main(argv: list[str] | None = None) -> None:

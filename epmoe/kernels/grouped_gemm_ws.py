@@ -759,5 +759,6 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
         a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
         w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
-        counter if counter is not None else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0,
+        counter if counter is not None else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0,
+        w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
