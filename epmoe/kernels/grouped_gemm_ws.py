@@ -753,12 +753,12 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
                 if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
                 has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
-                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=counter is not None)
+                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
         a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
         w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
-        counter if counter is not None else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0,
+        counter if cfg.claim_tiles else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0,
         w_scale.stride(1) if fp8 else 0,
         num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
