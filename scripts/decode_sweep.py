@@ -38,9 +38,8 @@ import torch
 from epmoe.bench.experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
 from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
 from epmoe.bench.moe import SHAPES
-from epmoe.kernels.configs import POINTER_STAGE_BYTES, GemmConfig, gemm_config
+from epmoe.kernels.configs import POINTER_STAGE_BYTES, SHARED_BYTES, GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
-from epmoe.kernels.grouped_gemm_ws import SHARED_BYTES
 from epmoe.kernels.layout import sort_pairs
 from epmoe.kernels.quant import quantize_act
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref

@@ -22,7 +22,8 @@ except ImportError as exc:
     print(f"no ASTSource/GPUTarget: {exc}")
     sys.exit(3)
 
-SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use
+from epmoe.kernels.configs import SHARED_BYTES
+
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -225,7 +226,7 @@ def run_job(job) -> tuple[str, list[str]]:
         tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
         spills = max(0, spills - MEASURED_SPILLS_B.get((op, dtype, tiles), 0))
     failures = []
-    if shared > SMEM_LIMIT:
+    if shared > SHARED_BYTES:
         failures.append(f"{tag}: {shared} B of shared memory")
     if spills and check_spills:
         failures.append(f"{tag}: {spills} B of register spills")

@@ -32,7 +32,8 @@ HAND_SET_ROWS = 64
 # two of 4 warps taking K blocks of two tiles at once (interleaved), or two of 4 warps sharing each tile,
 # half its rows each (split).
 WS_SCHEDULES = ("cooperative", "interleaved", "split")
-# Shared memory the pointer kernel's pipeline stages may take (of the 227 KB an H100/H200 block may use).
+SHARED_BYTES = 232448  # shared memory one H100/H200 block may use
+# Shared memory the pointer kernel's pipeline stages may take (of SHARED_BYTES).
 POINTER_STAGE_BYTES = 200 * 1024
 CLAIM_MAX_STAGES = 8  # ring stages of a launch with claim_tiles (a tile-number slot each)
 

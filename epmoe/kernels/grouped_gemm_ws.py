@@ -61,7 +61,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, num_groups
-from .configs import CLAIM_MAX_STAGES
+from .configs import CLAIM_MAX_STAGES, SHARED_BYTES
 from .quant import FP8_MAX_C, MIN_AMAX_C
 from .tile_map import tile_coords
 
@@ -98,7 +98,6 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier of the partition's warps: `barrier` in newer Tritons, `thread_barrier` in triton 3.6.
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-SHARED_BYTES = 232448  # shared memory one H100/H200 block may use
 # cp.async of a pointer tile into shared memory: `async_load` in newer Tritons (which keep the old name only
 # to raise), `async_copy_global_to_shared` in triton 3.6.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
