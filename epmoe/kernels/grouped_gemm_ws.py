@@ -283,10 +283,36 @@ def _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META: gl.constexpr):
 
 
 @gluon.jit
+def _tile_source(tile, tile_map, args, META: gl.constexpr):
+    """Where the loader reads a tile's blocks from: (A's first row, B's first row, `_gathered`'s rows)."""
+    N, K, a_ptr, a_rows_ptr = args[9], args[10], args[15], args[16]
+    e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n = tile_map
+    expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n,
+                                                META.group_m, META.block_m)
+    b_row = expert * (2 if META.gate_up else 1) * N + pid_n * META.block_n
+    return row0, b_row, _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
+
+
+@gluon.jit
+def _load_tile(a_desc, b_desc, ring, pos, tile, tile_map, args, META: gl.constexpr):
+    """The loader: the K blocks of one tile into the ring from position pos on (claimed tiles: its number
+    into the slot of pos first); returns the position after them."""
+    N, K = args[9], args[10]
+    row0, b_row, gathered = _tile_source(tile, tile_map, args, META)
+    if META.claim:
+        _post_tile(ring, pos, tile, META)
+    k_tiles = gl.cdiv(K, META.block_k)
+    for kk in range(_k_steps(K, META)):
+        _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k, N, gathered,
+                    META)
+        pos += 1
+    return pos
+
+
+@gluon.jit
 def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     """The loader: the K blocks of this program's tiles into the ring, in ring order."""
-    index_ptr, L, SLOT_ROWS, N, K = args[5], args[6], args[7], args[9], args[10]
-    a_ptr, a_rows_ptr, counter_ptr = args[15], args[16], args[17]
+    index_ptr, L, SLOT_ROWS, N, K, counter_ptr = args[5], args[6], args[7], args[9], args[10], args[17]
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
@@ -295,21 +321,14 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     nprog = gl.num_programs(0)
     k_tiles = gl.cdiv(K, META.block_k)
     steps = _k_steps(K, META)
-    b_rows_per_expert = (2 if META.gate_up else 1) * N
+    tile_map = (e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n)
     if META.schedule == 1:
         n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
         for p in range(gl.cdiv(n_mine, 2)):
             tile = pid + 2 * p * nprog
-            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
-                                                        num_tiles_n, META.group_m, META.block_m)
-            b_row = expert * b_rows_per_expert + pid_n * META.block_n
             full = 2 * p + 1 < n_mine
-            expert2, row2, row_end2, pid_n2 = _tile_coords(tile + nprog * full.to(gl.int32), e, base, count,
-                                                           tiles, tiles_end, num_tiles_m, num_tiles_n,
-                                                           META.group_m, META.block_m)
-            b_row2 = expert2 * b_rows_per_expert + pid_n2 * META.block_n
-            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
-            gathered2 = _gathered(a_ptr, a_rows_ptr, K, row2, row_end2, META)
+            row0, b_row, gathered = _tile_source(tile, tile_map, args, META)
+            row2, b_row2, gathered2 = _tile_source(tile + nprog * full.to(gl.int32), tile_map, args, META)
             pos = 2 * p * steps
             for kk in range(steps):
                 k0 = gl.minimum(kk, k_tiles - 1) * META.block_k  # a padding step reloads the last block
@@ -322,15 +341,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
         pos = 0
         tile = gl.atomic_add(counter_ptr, 1)
         while tile < total:
-            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
-                                                        num_tiles_n, META.group_m, META.block_m)
-            b_row = expert * b_rows_per_expert + pid_n * META.block_n
-            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
-            _post_tile(ring, pos, tile, META)
-            for kk in range(steps):
-                _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k,
-                            N, gathered, META)
-                pos += 1
+            pos = _load_tile(a_desc, b_desc, ring, pos, tile, tile_map, args, META)
             tile = gl.atomic_add(counter_ptr, 1)
         _post_tile(ring, pos, -1, META)
         bar = ring[3].index(pos % META.stages)
@@ -346,14 +357,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     else:
         pos = 0
         for tile in range(pid, total, nprog):
-            expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
-                                                        num_tiles_n, META.group_m, META.block_m)
-            b_row = expert * b_rows_per_expert + pid_n * META.block_n
-            gathered = _gathered(a_ptr, a_rows_ptr, K, row0, row_end, META)
-            for kk in range(steps):
-                _load_block(a_desc, b_desc, ring, pos, row0, b_row, gl.minimum(kk, k_tiles - 1) * META.block_k,
-                            N, gathered, META)
-                pos += 1
+            pos = _load_tile(a_desc, b_desc, ring, pos, tile, tile_map, args, META)
 
 
 @gluon.jit
