@@ -12,7 +12,8 @@
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
 #   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
-#   default the checkout's; AB_EXPERTS and AB_MOE: the benches' arguments)
+#   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:pdl=true";
+#   AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next
 # one still runs.
@@ -72,7 +73,8 @@ decode_sweeps() {
 
 table_ab() {
     [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
-    local new=(); [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    local new=() setting; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    for setting in ${AB_SET:-}; do new+=(--set "$setting"); done
     # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose
     "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_experts" experts \
         ${AB_EXPERTS:---tokens 16 32 64 128} || return 1

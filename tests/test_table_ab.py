@@ -1,5 +1,6 @@
 """epmoe.bench.table_ab: the order of the runs, the times read from each bench's JSON, the comparison, and the
 whole command with the bench runs replaced by a stand-in that writes JSON according to the table it is given."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -74,3 +75,54 @@ def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, mo
         with pytest.raises(SystemExit) as exit_:
             table_ab.main(["--old", str(table), "--out", str(tmp_path / "ab"), "moe"])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def _committed(tmp_path) -> Path:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"comment": "old", "tables": {
+        key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}}))
+    return old
+
+
+def test_set_derives_the_new_table_from_the_old(tmp_path):
+    """--set PREFIX:FIELD=VALUE: the field set in every config of the entries whose key begins with PREFIX, the
+    other entries as they were; settings that are malformed, not JSON or match no entry are refused."""
+    old = _committed(tmp_path)
+    path = table_ab.derive(old, ["down:group_m=4", "gate_up_bf16:num_stages=3"], tmp_path / "ab" / "new.json")
+    new, before = configs._table(path), configs._table(old)
+    for key, buckets in new.items():
+        for (bound, cfg), (bound0, cfg0) in zip(buckets, before[key], strict=True):
+            want = cfg0
+            if key.startswith("down"):
+                want = dataclasses.replace(want, group_m=4)
+            if key.startswith("gate_up_bf16"):
+                want = dataclasses.replace(want, num_stages=3)
+            assert (bound, cfg) == (bound0, want), key
+    assert "down:group_m=4, gate_up_bf16:num_stages=3" in json.loads(path.read_text())["comment"]
+    for bad, says in (("down", "PREFIX:FIELD=VALUE"), ("down:group_m", "PREFIX:FIELD=VALUE"),
+                      ("down:group_m=four", "not JSON"), ("up:group_m=4", "no entry")):
+        with pytest.raises(ValueError, match=says):
+            table_ab.derive(old, [bad], tmp_path / "bad.json")
+
+
+def test_the_command_times_the_derived_table(tmp_path, monkeypatch, capsys):
+    old = _committed(tmp_path)
+    tables = []
+
+    def fake_bench(cmd, check, env, stdout):
+        tables.append(Path(env[configs.TABLE_ENV]))
+        folder = Path(cmd[cmd.index("--out") + 1])
+        folder.mkdir(parents=True)
+        (folder / "experts.json").write_text(json.dumps({"points": [
+            {"shape": "q", "tokens_per_expert": 16, "triton_bf16_ms": 1.0}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(table_ab.subprocess, "run", fake_bench)
+    out = tmp_path / "ab"
+    table_ab.main(["--old", str(old), "--set", "down:group_m=4", "--out", str(out), "experts"])
+    assert tables == [old.resolve(), (out / "new.json").resolve(), (out / "new.json").resolve(), old.resolve()]
+    assert all(cfg.group_m == 4 for _, cfg in configs._table((out / "new.json").resolve())["down_bf16"])
+    with pytest.raises(SystemExit) as exit_:  # a derived table that cannot serve: refused before any run
+        table_ab.main(["--old", str(old), "--set", "down:block_m=24", "--out", str(tmp_path / "bad"), "experts"])
+    assert exit_.value.code == 2 and "power of two" in capsys.readouterr().err
+    assert len(tables) == 4

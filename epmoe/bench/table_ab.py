@@ -9,9 +9,12 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
 
     python -m epmoe.bench.table_ab --old OLD.json [--new NEW.json] [--rounds 2] [--out DIR] experts --tokens 16 128
     python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
+    python -m epmoe.bench.table_ab --old OLD.json --set down:pdl=true experts --tokens 16
 
-NEW defaults to the checkout's table (epmoe/kernels/configs.json); the bench's own arguments follow its
-name. `git show main:epmoe/kernels/configs.json > old.json` makes OLD the table on main.
+NEW defaults to the checkout's table (epmoe/kernels/configs.json); with --set, NEW is OLD with one field of
+every config in the entries whose key begins with a prefix set to a value (JSON: true, 3), written to
+OUT/new.json. The bench's own arguments follow its name. `git show main:epmoe/kernels/configs.json >
+old.json` makes OLD the table on main.
 Points timed: experts, the Triton bf16 and fp8 MLPs (and the batched layout's bf16 where the bench runs
 it); moe, each epmoe row's GPU time (a row over tolerance is reported as such).
 """
@@ -55,6 +58,32 @@ def times(bench: str, result: dict) -> tuple[dict[str, float], list[str]]:
     return got, bad
 
 
+def derive(old: Path, settings: list[str], out: Path) -> Path:
+    """OLD's table with each setting `PREFIX:FIELD=VALUE` applied to every config of the entries whose key
+    begins with PREFIX (VALUE in JSON), written to `out`; ValueError for a setting that is malformed or
+    matches no entry."""
+    table = json.loads(old.read_text())
+    for setting in settings:
+        prefix, sep, assignment = setting.partition(":")
+        field, eq, value = assignment.partition("=")
+        if not (sep and eq and prefix and field):
+            raise ValueError(f"--set takes PREFIX:FIELD=VALUE (down:pdl=true), got {setting!r}")
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"--set {setting!r}: the value is not JSON ({exc})") from exc
+        keys = [key for key in table["tables"] if key.startswith(prefix)]
+        if not keys:
+            raise ValueError(f"--set {setting!r}: no entry of {old} begins with {prefix!r}")
+        for key in keys:
+            for _, cfg in table["tables"][key]:
+                cfg[field] = value
+    table["comment"] = f"{old} with " + ", ".join(settings)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    return out
+
+
 def compare(runs: list[tuple[str, dict[str, float]]]) -> list[dict]:
     """Per point timed in every run: the median ms under each table, old / new, and the runs' spread."""
     names = set.intersection(*(set(t) for _, t in runs))
@@ -71,20 +100,24 @@ def compare(runs: list[tuple[str, dict[str, float]]]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.table_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, type=Path, help="the launch table to compare against")
-    p.add_argument("--new", type=Path, default=configs.TABLE_PATH, help="the launch table to try (default: the "
-                   "checkout's)")
+    new = p.add_mutually_exclusive_group()
+    new.add_argument("--new", type=Path, default=configs.TABLE_PATH, help="the launch table to try (default: the "
+                     "checkout's)")
+    new.add_argument("--set", action="append", metavar="PREFIX:FIELD=VALUE", help="try OLD with FIELD=VALUE in "
+                     "the configs of the entries whose key begins with PREFIX (repeatable)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each table")
     p.add_argument("--out", type=Path, default=Path("table_ab"), help="folder for the runs' JSON and ab.json")
     p.add_argument("bench", choices=sorted(BENCHES))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of `epmoe bench BENCH`")
     args = p.parse_args(argv)
     order = schedule(args.rounds)
-    tables = {"old": args.old.resolve(), "new": args.new.resolve()}
-    for path in tables.values():
-        try:
-            configs._table(path)  # refuse a table that cannot serve every launch before any run
-        except ValueError as exc:
-            p.error(str(exc))
+    try:  # refuse a table that cannot serve every launch before any run
+        configs._table(args.old.resolve())
+        new_table = derive(args.old, args.set, args.out / "new.json") if args.set else args.new
+        configs._table(new_table.resolve())
+    except ValueError as exc:
+        p.error(str(exc))
+    tables = {"old": args.old.resolve(), "new": new_table.resolve()}
     runs, bad = [], set()
     for i, tag in enumerate(order):
         folder = args.out / f"{i}_{tag}"
