@@ -12,7 +12,7 @@
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
 #   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
-#   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:pdl=true";
+#   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4";
 #   AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next

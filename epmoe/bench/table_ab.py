@@ -9,7 +9,7 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
 
     python -m epmoe.bench.table_ab --old OLD.json [--new NEW.json] [--rounds 2] [--out DIR] experts --tokens 16 128
     python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
-    python -m epmoe.bench.table_ab --old OLD.json --set down:pdl=true experts --tokens 16
+    python -m epmoe.bench.table_ab --old OLD.json --set down:group_m=4 experts --tokens 16
 
 NEW defaults to the checkout's table (epmoe/kernels/configs.json); with --set, NEW is OLD with one field of
 every config in the entries whose key begins with a prefix set to a value (JSON: true, 3), written to
@@ -67,7 +67,7 @@ def derive(old: Path, settings: list[str], out: Path) -> Path:
         prefix, sep, assignment = setting.partition(":")
         field, eq, value = assignment.partition("=")
         if not (sep and eq and prefix and field):
-            raise ValueError(f"--set takes PREFIX:FIELD=VALUE (down:pdl=true), got {setting!r}")
+            raise ValueError(f"--set takes PREFIX:FIELD=VALUE (down:group_m=4), got {setting!r}")
         try:
             value = json.loads(value)
         except ValueError as exc:
