@@ -12,6 +12,14 @@ from epmoe.bench import table_ab
 from epmoe.kernels import configs
 
 
+def _committed(tmp_path) -> Path:
+    """The committed launch table, written to tmp_path/old.json."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"comment": "old", "tables": {
+        key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}}))
+    return old
+
+
 def test_schedule_alternates_the_tables_round_by_round():
     assert table_ab.schedule(1) == ["old", "new"]
     assert table_ab.schedule(3) == ["old", "new", "new", "old", "old", "new"]
@@ -42,9 +50,7 @@ def test_compare_takes_medians_over_the_points_every_run_has():
 
 
 def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
-    committed = {key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"comment": "old", "tables": committed}))
+    old = _committed(tmp_path)
     seen = []
 
     def fake_bench(cmd, check, env, stdout):  # a bench twice as slow under the old table
@@ -75,13 +81,6 @@ def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, mo
         with pytest.raises(SystemExit) as exit_:
             table_ab.main(["--old", str(table), "--out", str(tmp_path / "ab"), "moe"])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
-
-
-def _committed(tmp_path) -> Path:
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"comment": "old", "tables": {
-        key: [[b, c.to_dict()] for b, c in buckets] for key, buckets in configs._table().items()}}))
-    return old
 
 
 def test_set_derives_the_new_table_from_the_old(tmp_path):
