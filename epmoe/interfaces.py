@@ -10,7 +10,7 @@ Data flow:  dispatch(x_TD, ids_TK, weights_TK) -> ExpertBatch -> experts(batch) 
 from __future__ import annotations
 
 import enum
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
@@ -115,6 +115,15 @@ class ExpertBatch:
 
 
 ID_DTYPES = (torch.int32, torch.int64)  # the dtypes caller-given ids_TK may have
+
+
+def on_device(device: torch.device) -> AbstractContextManager:
+    """A context in which `device` is the current CUDA device when it is a GPU other than the current one
+    (a model split over GPUs: a layer on cuda:1 while cuda:0 is current), else none. Triton launches,
+    CUDA graph captures and the claimed tiles' counters go to the current device, not to their tensors'."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return nullcontext()
 
 
 def check_x(cfg: MoEConfig, x_TD: torch.Tensor) -> None:
@@ -235,14 +244,13 @@ class Dispatcher(ABC):
         call into on this rank (>= 1), sent along with the dispatch; `agreed_chunks(batch)` is then the
         largest count of any rank, so that every rank runs as many chunks."""
         weights_TK = weights_TK if self.reads_any_weight_dtype else weights_TK.float()
-        args = (x_TD.contiguous(), ids_TK.contiguous(), weights_TK.contiguous())
-        if chunks is None:
-            return self._dispatch(*args)
-        if not self.agrees_chunks:
+        if chunks is not None and not self.agrees_chunks:
             raise ValueError(f"dispatcher {self.name!r} agrees no chunk count (agrees_chunks is False)")
-        if type(chunks) is not int or chunks < 1:
+        if chunks is not None and (type(chunks) is not int or chunks < 1):
             raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
-        return self._dispatch(*args, chunks=chunks)
+        args = (x_TD.contiguous(), ids_TK.contiguous(), weights_TK.contiguous())
+        with on_device(x_TD.device):
+            return self._dispatch(*args) if chunks is None else self._dispatch(*args, chunks=chunks)
 
     @property
     def carries_chunks(self) -> bool:
@@ -301,11 +309,10 @@ class Dispatcher(ABC):
             out_TD: [T, D] in cfg.dtype, in the order x_TD had; a token with no expert gets zeros.
         """
         self.check_output(y, batch)
-        if not weighted:
-            return self._combine(y, batch)
-        if batch.weights_N is None:
+        if weighted and batch.weights_N is None:
             raise ValueError(f"combine(weighted=True) needs a batch with weights_N, which {self.name!r} does not set")
-        return self._combine_weighted(y, batch)
+        with on_device(y.device):
+            return self._combine_weighted(y, batch) if weighted else self._combine(y, batch)
 
     def _combine_weighted(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         """The combine of rows already weighted by batch.weights_N (dispatchers that set it)."""
@@ -460,8 +467,9 @@ class Experts(torch.nn.Module, ABC):
         if batch.num_local_experts != self.num_local_experts:
             raise ValueError(
                 f"batch has {batch.num_local_experts} local experts, experts hold {self.num_local_experts}")
-        batch = batch if self.reads_row_index else batch.materialize()
-        return self._forward(batch, weighted) if weighted else self._forward(batch)
+        with on_device(self.device):
+            batch = batch if self.reads_row_index else batch.materialize()
+            return self._forward(batch, weighted) if weighted else self._forward(batch)
 
     @abstractmethod
     def _load(self, w13_LND: torch.Tensor, w2_LDF: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F_
 
 from .config import MoEConfig
 from .graphs import GraphPool, RoutedGraphs
-from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device
+from .interfaces import Dispatcher, ExpertBatch, check_pairing, check_tokens, check_x, moved_device, on_device
 from .kernels.graph_io import rows_contiguous
 from .registry import default_device, make_dispatcher, make_experts
 from .routing import check_logits, route
@@ -280,7 +280,16 @@ class FusedMoE(torch.nn.Module):
         requiring them) through a path with no backward (the Triton kernels, the CUDA graphs and the
         collectives record none), after the call: run inference under torch.no_grad() or
         torch.inference_mode().
+
+        A layer on a GPU other than the current one (a model split over GPUs) makes its own device the
+        current one for the call, where its kernels are launched and its CUDA graphs captured.
         """
+        with on_device(self.device):
+            return self._forward(x_TD, logits_TE, weights_TK, ids_TK, correction_bias_E)
+
+    def _forward(self, x_TD: torch.Tensor, logits_TE: torch.Tensor | None, weights_TK: torch.Tensor | None,
+                 ids_TK: torch.Tensor | None, correction_bias_E: torch.Tensor | None) -> torch.Tensor:
+        """`forward` on the layer's device."""
         graphs = self.graphs
         if (graphs is not None and logits_TE is None and weights_TK is not None and ids_TK is not None
                 and correction_bias_E is None and not self.strict_ids and self.shared_experts is None

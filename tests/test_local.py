@@ -376,3 +376,46 @@ def test_gpu_layers_sharing_a_graph_pool_replay_their_own_outputs():
             got = graphed(x, weights_TK=w, ids_TK=ids)
             assert torch.equal(got, eager(x, weights_TK=w, ids_TK=ids)), (i, T)
     assert len(pool._static) == len({(1 << (T - 1).bit_length()) for T in (5, 8, 300, 3, 64, 1, 7)})
+
+
+def test_on_device_makes_another_gpu_current_and_leaves_the_rest(monkeypatch):
+    """`on_device` (what the public entry points run under) switches only to a GPU that is not the current
+    one; the CPU and the current GPU get no context."""
+    from contextlib import nullcontext
+    from epmoe.interfaces import on_device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    other = on_device(torch.device("cuda", 1))
+    assert isinstance(other, torch.cuda.device) and other.idx == 1
+    for device in (torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda")):
+        assert isinstance(on_device(device), nullcontext), device
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("precision", PRECISIONS[1:], ids=["bf16", "fp8"])
+def test_gpu_layer_on_the_second_gpu_runs_there_while_the_first_is_current(precision):
+    """A layer of a model split over GPUs (on cuda:1 while cuda:0 is current, as transformers' device_map
+    leaves it) launches its kernels and captures its graphs on its own device: graphed, eager (routing
+    logits) and part-by-part calls give what they give with cuda:1 current, bit for bit, close to the float64
+    loop, and leave cuda:0 current."""
+    cfg = epmoe.MoEConfig(num_experts=64, top_k=6, hidden_size=256, intermediate_size=192, **precision)
+    torch.cuda.set_device(0)
+    moe, weights = _layer(cfg, "triton", "cuda:1")
+    eager = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda:1", cuda_graphs=False)
+    eager.load_experts(weights.w13_END, weights.w2_EDF)
+    assert moe.graphs is not None
+    x, ids, w = _inputs(cfg, 77, 5, "cuda:1", weights_dtype=torch.bfloat16, ids_dtype=torch.int32)
+    logits = torch.randn(77, cfg.num_experts, generator=torch.Generator().manual_seed(6)).to("cuda:1")
+
+    def calls() -> list[torch.Tensor]:
+        batch = moe.dispatcher.dispatch(x, ids, w)
+        return [moe(x, weights_TK=w, ids_TK=ids), eager(x, weights_TK=w, ids_TK=ids), moe(x, logits),
+                moe.dispatcher.combine(moe.experts(batch), batch)]
+
+    got = calls()
+    assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1):
+        want = calls()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.device == torch.device("cuda", 1) and torch.equal(a, b), i
+    assert rel_error(got[0].cpu(), _reference(x, ids, w, weights, cfg)) <= tolerance(cfg)
