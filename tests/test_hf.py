@@ -90,6 +90,48 @@ def test_backend_edge_calls_and_aliasing():
         epmoe.hf.experts_forward(module, x.requires_grad_(), ids, w)
 
 
+def test_backend_refuses_gradients_for_the_experts_weights():
+    """A fine-tune of the experts alone (their weights require gradients; the hidden states and router weights
+    do not) is refused like any call that needs a backward, and runs under no_grad."""
+    model = hf_models.tiny_model("qwen3_moe")
+    model.requires_grad_(False)
+    _, module = experts_modules(model)[0]
+    module.gate_up_proj.requires_grad_(True)
+    g = torch.Generator().manual_seed(2)
+    x, ids, w = torch.randn(5, 64, generator=g), torch.randint(0, 12, (5, 2), generator=g), torch.rand(5, 2, generator=g)
+    with pytest.raises(ValueError, match="inference only"):
+        epmoe.hf.experts_forward(module, x, ids, w)
+    with torch.no_grad():
+        want = type(module).forward.__wrapped__(module, x, ids, w)
+        torch.testing.assert_close(epmoe.hf.experts_forward(module, x, ids, w), want, rtol=1e-5, atol=1e-6)
+
+
+def test_backend_follows_in_place_changes_to_the_scales_it_converts():
+    """UE8M0 block scales (float8_e8m0fnu powers of two, as DeepSeek-V3.1's checkpoint ships them) are
+    converted to float32 once; an in-place change to them (what load_state_dict does) rebuilds the layer,
+    which then computes what a layer built afresh computes; calls with nothing changed keep the layer."""
+    model = quantize_experts(hf_models.tiny_model("qwen3_moe", hidden=160, inter=128))
+    _, module = experts_modules(model)[0]
+    with torch.no_grad():
+        for name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            scale = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(torch.exp2(scale.log2().ceil()).to(torch.float8_e8m0fnu),
+                                                     requires_grad=False))
+    g = torch.Generator().manual_seed(0)
+    x, ids, w = torch.randn(6, 160, generator=g), torch.randint(0, 12, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+    with torch.no_grad():
+        before = epmoe.hf.experts_forward(module, x, ids, w)
+        moe = module.__dict__["_epmoe_experts"][1]
+        assert torch.equal(epmoe.hf.experts_forward(module, x, ids, w), before)
+        assert module.__dict__["_epmoe_experts"][1] is moe
+        module.down_proj_scale_inv.copy_((module.down_proj_scale_inv.float() * 4).to(torch.float8_e8m0fnu))
+        after = epmoe.hf.experts_forward(module, x, ids, w)
+        assert module.__dict__["_epmoe_experts"][1] is not moe
+        del module.__dict__["_epmoe_experts"]
+        assert torch.equal(after, epmoe.hf.experts_forward(module, x, ids, w))
+        assert rel_error(after, 4 * before) < 1e-2  # the down's scales, times 4
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_backend_fp8_experts(family):
     """transformers' FP8Experts (float8_e4m3fn weights, 128x128 float32 scales) run on epmoe's fp8_block
@@ -365,6 +407,21 @@ def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_
     finally:
         dist.destroy_process_group()
     assert rel_error(out, ref) < 1e-5 and ref.norm() > 0
+
+
+@pytest.mark.parametrize("method,grouped", [("greedy", False), ("group_limited_greedy", True)])
+def test_config_from_deepseek_v2_groups_only_for_group_limited_greedy(method, grouped):
+    """DeepSeek-V2's topk_method "greedy" (its default) takes the top-k of all experts, whatever n_group
+    says; "group_limited_greedy" takes it within the best topk_group groups. epmoe.route on the config
+    picks what the model's router picks."""
+    model = hf_models.tiny_model("deepseek_v2", topk_method=method, n_group=4, topk_group=1)
+    cfg = config_from_hf(model.config, dtype=torch.float32)
+    assert (cfg.num_groups, cfg.topk_groups) == ((4, 1) if grouped else (None, None))
+    router = model.model.layers[-1].mlp.gate
+    with torch.no_grad():
+        logits, _, ids_hf = router(torch.randn(20, 64, generator=torch.Generator().manual_seed(4)))
+        _, ids = epmoe.route(logits, cfg)
+    assert torch.equal(ids_hf.sort(dim=-1).values, ids.long().sort(dim=-1).values)
 
 
 def test_config_from_dense_model_is_refused():

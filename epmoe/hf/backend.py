@@ -5,7 +5,8 @@ model's own router has chosen top-k ids and weights, and the experts module hand
 tokens. The first call builds one FusedMoE (dispatcher `local`) per experts module, whose experts view
 the module's own weight tensors (gate_up_proj [E, 2F, D] is w13's layout: no copy); it is kept outside
 the module tree (the module's state_dict and `save_pretrained` do not see it) and rebuilt when the
-module's weights are replaced (moved to another device, say) or the call's top-k changes.
+module's weights are replaced (moved to another device, say), one it holds a copy of changes in place
+(`weights_key`), or the call's top-k changes.
 
 Shape letters: T tokens, D hidden size, F expert intermediate size, E experts, L local experts, K top-k.
 """
@@ -63,8 +64,10 @@ def moe_layer(local: ExpertsWeights, *, num_experts: int, top_k: int, dtype: tor
 
 
 def check_inference(module: torch.nn.Module, hidden_states_TD: torch.Tensor, top_k_weights_TK: torch.Tensor) -> None:
-    """ValueError when autograd would need gradients through epmoe's experts (they have no backward)."""
-    if torch.is_grad_enabled() and (hidden_states_TD.requires_grad or top_k_weights_TK.requires_grad):
+    """ValueError when autograd would need gradients through epmoe's experts (they have no backward): for
+    the hidden states, the router's weights or the experts' own weights (a fine-tune of the experts)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            hidden_states_TD, top_k_weights_TK, _tensor(module, "gate_up_proj"), _tensor(module, "down_proj"))):
         raise ValueError(f"{describe(module)}: epmoe's experts run inference only (no backward); call the model "
                          "under torch.no_grad() or torch.inference_mode()")
 
@@ -97,14 +100,21 @@ def compute_dtype(module: torch.nn.Module, hidden_states_TD: torch.Tensor) -> to
 
 
 def weights_key(module: torch.nn.Module, top_k: int, dtype: torch.dtype) -> tuple:
-    """What the module's FusedMoE was built from: K, dtype, its weights' addresses and shapes and its
-    scales' addresses (another dtype or device of a tensor is another allocation, at another address)."""
+    """What the module's FusedMoE was built from: K, dtype, its weights' addresses, shapes and strides and
+    its scales' addresses (another dtype or device of a tensor is another allocation, at another address);
+    and the version counters of the tensors the layer holds copies of, not views (weights or scales that
+    are not contiguous, scales that are not float32, as UE8M0 ones), so that an in-place change to one
+    (`load_state_dict`, `copy_` under no_grad) rebuilds the layer. Writes through `.data` and to inference
+    tensors move no version counter and are not seen there."""
     w13, w2, s13, s2 = (_tensor(module, name) for name in
                         ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"))
     if w13 is None or w2 is None:
         return (top_k, dtype, None)  # (`experts_weights` refuses such a module)
-    return (top_k, dtype, w13.data_ptr(), w13.shape, w2.data_ptr(), w2.shape,
-            None if s13 is None else s13.data_ptr(), None if s2 is None else s2.data_ptr())
+    copies = tuple(t._version for t, scale in ((w13, False), (w2, False), (s13, True), (s2, True))
+                   if t is not None and not t.is_inference()
+                   and (not t.is_contiguous() or (scale and t.dtype != torch.float32)))
+    return (top_k, dtype, w13.data_ptr(), w13.shape, w13.stride(), w2.data_ptr(), w2.shape, w2.stride(),
+            None if s13 is None else s13.data_ptr(), None if s2 is None else s2.data_ptr(), copies)
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

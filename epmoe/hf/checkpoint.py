@@ -246,7 +246,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     Reads (first present wins): experts from n_routed_experts / num_experts / num_local_experts; top-k from
     num_experts_per_tok; D from hidden_size; F from moe_intermediate_size / intermediate_size; scoring from
     scoring_func ("sigmoid" or "softmax"), else sigmoid for the model types of SIGMOID_MODEL_TYPES
-    (DeepSeek-V3, GLM-4-MoE) and softmax for the others; grouped top-k from n_group / topk_group;
+    (DeepSeek-V3, GLM-4-MoE) and softmax for the others; grouped top-k from n_group / topk_group (unless
+    topk_method is "greedy", as DeepSeek-V2's default: a top-k over all experts);
     renormalize from norm_topk_prob (default True); routed_scaling_factor. `overrides` (dtype, quant,
     max_tokens_per_rank, scoring, ...) are passed to MoEConfig last.
     """
@@ -266,7 +267,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     norm = _first(hf_config, "norm_topk_prob")
     kwargs["renormalize"] = True if norm is None else bool(norm)
     groups, topk_groups = _first(hf_config, "n_group"), _first(hf_config, "topk_group")
-    if groups is not None and topk_groups is not None and groups > 1:
+    greedy = _first(hf_config, "topk_method") == "greedy"  # DeepSeek-V2's plain top-k, groups unused
+    if groups is not None and topk_groups is not None and groups > 1 and not greedy:
         kwargs.update(num_groups=groups, topk_groups=topk_groups)
     scaling = _first(hf_config, "routed_scaling_factor")
     if scaling is not None:
