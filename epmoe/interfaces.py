@@ -425,6 +425,9 @@ class Experts(torch.nn.Module, ABC):
         ceil(D/128)], w2_scale float32 [L, ceil(D/128), ceil(F/128)].
         """
         L, F, D = self.num_local_experts, self.cfg.intermediate_size, self.cfg.hidden_size
+        # buffers: no gradient reaches the tensors given (views of them stay views)
+        w13_LND, w2_LDF, w13_scale, w2_scale = (None if t is None else t.detach()
+                                                for t in (w13_LND, w2_LDF, w13_scale, w2_scale))
         if w13_LND.shape != (L, 2 * F, D):
             raise ValueError(f"w13 must be [L={L}, 2F={2 * F}, D={D}], got {tuple(w13_LND.shape)}")
         if w2_LDF.shape != (L, D, F):

@@ -82,8 +82,9 @@ class FusedMoE(torch.nn.Module):
     fp8_block `experts.w13_scale`, `experts.w2_scale`, float32 block scales), plus the shared experts'
     own state (`shared_experts.w13`, `shared_experts.w2` for a GatedMLP); `load_state_dict` of such a state
     into a layer built with the same config (its experts not loaded yet) loads them as `load_experts` does.
-    Weights that need no conversion (cfg.dtype on the layer's device) are kept as views of the tensors
-    given, not copies: change those tensors, and the layer computes with the change. `.to(device)` moves a
+    Weights that need no conversion (cfg.dtype on the layer's device; contiguous, for the `triton` and
+    `grouped_mm` experts) are kept as views of the tensors given, not copies: change those tensors, and the
+    layer computes with the change. No gradient reaches them (they are buffers, detached). `.to(device)` moves a
     single-rank layer (whose experts can run there); a layer over several ranks, or whose dispatcher
     keeps buffers of its own (`ht`, `ll`), stays where it was built (ValueError). The dtype is cfg.dtype:
     `.to(dtype)`, `.half()`, ... to another dtype raise ValueError; fp8 weights and their scales keep

@@ -123,3 +123,23 @@ def test_multi_rank_layer_stays_where_it_was_built():
     with pytest.raises(ValueError, match="stays on"):
         moe.to("meta")
     assert moe.to(device) is moe and moe.device.type == device
+
+
+def test_weights_given_as_parameters_are_detached_views():
+    """Weights handed over as Parameters that require gradients (a model's own, in grad mode) are kept as
+    views that need none: no gradient reaches them, and the layer deep-copies like any module."""
+    import copy
+    cfg = epmoe.MoEConfig(num_experts=6, top_k=2, hidden_size=19, intermediate_size=7, dtype=torch.float32)
+    weights = make_weights(cfg, 5, "cpu")
+    p13, p2 = torch.nn.Parameter(weights.w13_END.clone()), torch.nn.Parameter(weights.w2_EDF.clone())
+    moe = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="reference", device="cpu")
+    moe.load_experts(p13, p2)
+    assert moe.experts.w13.data_ptr() == p13.data_ptr() and moe.experts.w2.data_ptr() == p2.data_ptr()
+    assert not moe.experts.w13.requires_grad and not moe.experts.w2.requires_grad
+    x, logits = torch.randn(5, 19), torch.randn(5, 6)
+    out = moe(x, logits)
+    assert not out.requires_grad
+    assert torch.equal(copy.deepcopy(moe)(x, logits), out)
+    with torch.no_grad():
+        p13.mul_(2)  # still views: the change reaches the layer
+    assert not torch.equal(moe(x, logits), out)
