@@ -148,6 +148,26 @@ def test_device_checked_ids_poison_their_tokens_and_raise_on_the_next_call(kerne
     moe.check_errors()
 
 
+def test_a_deep_copy_of_a_layer_that_ran_catches_its_own_bad_ids(kernels_on_cpu):
+    """The copy's device id check writes and reads words of its own: a bad id through the copy raises on the
+    copy only (a copied word once read the original's address)."""
+    import copy
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=24, intermediate_size=16, dtype=torch.float32)
+    moe, weights = _layer(cfg, "triton", "cpu")
+    x, ids, w = _inputs(cfg, 9, 4, "cpu")
+    moe.dispatcher.dispatch_checked(x, ids, w)  # the original's word exists
+    twin = copy.deepcopy(moe)
+    bad = ids.clone()
+    bad[3, 0] = 8
+    batch = twin.dispatcher.dispatch_checked(x, bad, w)  # past check_tokens, as a GPU input would be
+    out = twin.dispatcher.combine(twin.experts(batch, weighted=True), batch, weighted=True)
+    assert out[3].isnan().all()
+    moe.check_errors()
+    with pytest.raises(ValueError, match="expert id 8"):
+        twin.check_errors()
+    _expect_close(twin, weights, x, ids, w, cfg)
+
+
 def test_experts_weight_rows_only_where_they_can():
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     moe, _ = _layer(cfg, "reference", "cpu")

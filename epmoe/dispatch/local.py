@@ -44,6 +44,10 @@ class _CaughtIds:
     def __init__(self) -> None:
         self._words: dict[torch.device, tuple[torch.Tensor, ctypes.c_int64]] = {}
 
+    def __deepcopy__(self, memo: dict) -> "_CaughtIds":
+        """Words of its own (a copied word's host view would read the original's address), none caught yet."""
+        return _CaughtIds()
+
     def word(self, device: torch.device) -> torch.Tensor:
         if device not in self._words:
             t = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
