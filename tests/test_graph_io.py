@@ -69,6 +69,18 @@ def test_calls_read_their_own_ring_rows_and_an_abandoned_call_is_skipped(device)
     assert int(io.counter.item()) == N
 
 
+def test_a_table_made_in_inference_mode_abandons_a_call_outside_it():
+    """A layer's first graphed call (which makes the table) under torch.inference_mode, a failed replay
+    later outside it: the counter, an inference tensor, is still set to the rows written."""
+    with torch.inference_mode():
+        io = IOTable(torch.device("cpu"))
+    x, ids, w = torch.zeros(1, 4), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    for _ in range(2):
+        io.point(x, ids, w, torch.zeros(1, 4))
+    io.abandon()
+    assert io.counter.is_inference() and int(io.counter.item()) == 2
+
+
 def test_rows_contiguous_copies_only_strided_columns():
     t = torch.arange(12.0).reshape(3, 4)
     assert rows_contiguous(t) is t

@@ -135,7 +135,8 @@ class IOTable:
         the device, then sets the counter to the rows written, so that the next call reads its own."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.counter.fill_(self._written)
+        with torch.inference_mode():  # (a counter made in inference mode takes writes only there)
+            self.counter.fill_(self._written)
 
     def _next_row(self) -> int:
         """The ring row to write, once the call that last read it has run (see the class docstring)."""
