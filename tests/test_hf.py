@@ -378,7 +378,8 @@ def test_config_from_hf_routes_as_the_model(family):
 
 def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_experts():
     """Under transformers' own expert parallelism a module holds L of the E experts and gets id L (weight 0)
-    for a slot whose expert is on another rank: the epmoe backend skips it (with torch.distributed
+    for a slot whose expert is on another rank: the epmoe backend skips it, and any id above L as
+    transformers' own backends do (with torch.distributed
     initialized, as that parallelism has it); the reference is transformers' eager code with those slots
     on a local expert at weight 0 (transformers 5.17's eager code refuses id L itself)."""
     experts = hf_models.tiny_model("qwen3_moe").model.layers[0].mlp.experts
@@ -398,7 +399,7 @@ def test_backend_skips_the_id_transformers_expert_parallelism_gives_other_ranks_
     with torch.no_grad():
         local.config._experts_implementation = "eager"
         ref = local(x, ids.masked_fill(elsewhere, 0), weights)
-    ids = ids.masked_fill(elsewhere, L)
+    ids = torch.where(elsewhere, L + torch.arange(ids.numel()).view(ids.shape) % 2, ids)  # (>= L: skipped)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with torch.no_grad():

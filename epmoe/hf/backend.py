@@ -126,8 +126,8 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
             or FP8Experts' float8_e4m3fn weights with 128x128 float32 block scales, taken as they are).
         hidden_states: [T, D] tokens (T may be 0).
         top_k_index: int [T, K], the model's router's expert ids in [0, E); under transformers' own expert
-            parallelism (torch.distributed initialized) also E, for a slot whose expert is on another
-            rank (with weight 0), which is skipped, as transformers' own backends skip it.
+            parallelism (torch.distributed initialized) also E (or any id above), for a slot whose expert
+            is on another rank (with weight 0), which is skipped, as transformers' own backends skip it.
         top_k_weights: float [T, K], its weights (any scaling the model applies is already in them).
 
     Returns:
@@ -149,5 +149,6 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
         bound = module.__dict__[_BINDING] = (key, moe)
     if dist.is_available() and dist.is_initialized():
         # transformers' expert parallelism hands this module's E local experts the ids of other ranks' as E
-        top_k_index = top_k_index.masked_fill(top_k_index == bound[1].cfg.num_experts, -1)
+        # (its own experts backends skip any id >= E there)
+        top_k_index = top_k_index.masked_fill(top_k_index >= bound[1].cfg.num_experts, -1)
     return run_moe(bound[1], hidden_states, top_k_index, top_k_weights)
