@@ -1,8 +1,9 @@
 """`alltoall` dispatcher: a count exchange, then `all_to_all_single` moving one copy per
 (token, destination rank); the received rows are laid out by the layout engine (a row index into them,
 epmoe/kernels/layout.py on a GPU); combine reduces per (token, rank) at the destination (one kernel,
-float32 sums) and sends one row back per pair, summed at the source (the same kernel). Portable: gloo,
-NCCL, one host or many.
+float32 sums) and sends one row back per pair in cfg.dtype (half the bytes of float32, as `ht` and
+DeepEP send theirs: a token's result is rounded once per rank that holds its experts, then once more),
+summed at the source (the same kernel). Portable: gloo, NCCL, one host or many.
 
 Shape letters: T tokens on this rank, D hidden size, K top-k, R ranks, L local experts,
 S (token, rank) pairs sent, P rows received, N (row, slot) pairs for this rank's experts.
