@@ -189,9 +189,10 @@ class FusedMoE(torch.nn.Module):
         dispatcher free of them (what `graphs` captures)."""
         T, step = x_TD.shape[0], self.cfg.max_tokens_per_rank
         if self.cfg.routed_scaling_factor != 1.0:
-            # in the top-k weights, so that the combine's float32 sum holds it before its one rounding to
-            # cfg.dtype (scaled after, a float16 sum could overflow on the way to a finite result)
-            weights_TK = weights_TK * self.cfg.routed_scaling_factor
+            # in the top-k weights, in float32, so that the combine's float32 sum holds it before its one
+            # rounding to cfg.dtype (scaled after, a float16 sum could overflow on the way to a finite
+            # result; scaled in a caller's bfloat16 weights, each weight would be rounded once more)
+            weights_TK = weights_TK.float() * self.cfg.routed_scaling_factor
         mine = self._chunks_of(x_TD)
         chunks = chunks or self.dispatcher.start_chunk_count(mine, x_TD.device)
         sent = mine if self.dispatcher.carries_chunks else None  # the count that goes with each dispatch

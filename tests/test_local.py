@@ -106,6 +106,19 @@ def test_routed_scaling_reaches_the_sum_before_its_rounding(kernels_on_cpu, expe
     torch.testing.assert_close(out.float(), torch.full((3, 64), 0.25 * 2 * row.item()), rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize("experts", ["reference", "triton"])
+def test_routed_scaling_of_bfloat16_weights_is_not_rounded_to_bfloat16(kernels_on_cpu, experts):
+    """A caller's bfloat16 top-k weights times routed_scaling_factor 2.5 keep the product's float32 value
+    (1 + 2^-7 times 2.5 is not a bfloat16) on its way to a float32 layer's sum."""
+    cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32,
+                          routed_scaling_factor=2.5)
+    moe, weights = _layer(cfg, experts, "cpu")
+    x, ids, _ = _inputs(cfg, 5, 1, "cpu")
+    w = torch.full((5, 2), 1 + 2 ** -7, dtype=torch.bfloat16)
+    ref = _reference(x, ids, w.float(), weights, cfg)  # (the oracle scales by cfg.routed_scaling_factor)
+    assert rel_error(moe(x, weights_TK=w, ids_TK=ids), ref) < 1e-5
+
+
 def test_the_reference_path_on_cpu_keeps_autograd():
     cfg = epmoe.MoEConfig(num_experts=4, top_k=2, hidden_size=16, intermediate_size=8, dtype=torch.float32)
     moe, _ = _layer(cfg, "reference", "cpu")
