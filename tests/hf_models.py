@@ -65,6 +65,59 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, *
     return model.eval()
 
 
+# Small sizes for a model of any family, each given where the family's config has the field (E = 12, K = 3)
+_ANY_FAMILY = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+    intermediate_size=64, moe_intermediate_size=32, expert_intermediate_size=32, num_experts=12, n_routed_experts=12,
+    num_local_experts=12, moe_num_experts=12, num_experts_per_tok=3, moe_k=3, first_k_dense_replace=0,
+    decoder_sparse_step=1, tie_word_embeddings=False, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=16, qk_head_dim=32, n_shared_experts=1, shared_expert_intermediate_size=32,
+    mlp_only_layers=[], moe_layer_freq=1, expert_layer_period=1, expert_layer_offset=0, attn_layer_period=1,
+    attn_layer_offset=0, n_group=4, topk_group=2, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16, router_jitter_noise=0.0, input_jitter_noise=0.0, pad_token_id=0)
+
+
+# What some families need beside _ANY_FAMILY (a tiny model of their own shape)
+_FAMILY_SIZES = {
+    "glm4v_moe_text": dict(head_dim=128),  # its multimodal rotary sections fill a 128-wide head
+    "mimo_v2_flash": dict(layer_types=["full_attention"] * 2, mlp_layer_types=["sparse"] * 2, v_head_dim=16),
+}
+
+
+def routed_call(model_type: str, tokens: int = 24):
+    """One MoE block's routing in a tiny random `model_type` model (transformers' config class of that
+    type, E = 12, K = 3; its routers' weights and any score correction bias drawn large enough for decisive
+    choices): (config, the router's logits float [T, E], the bias [E] or None, and the ids [T, K] and
+    weights [T, K] that the block handed its experts)."""
+    cls = transformers.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
+    defaults = cls()
+    config = cls(**{**{k: v for k, v in _ANY_FAMILY.items() if hasattr(defaults, k)}, **_FAMILY_SIZES.get(model_type, {})})
+    torch.manual_seed(0)
+    auto = transformers.AutoModelForCausalLM  # (a composite model's text config: the text model itself)
+    auto = auto if type(config) in auto._model_mapping else transformers.AutoModel
+    model = auto.from_config(config, dtype=torch.float32).eval()
+    block = [m for m in model.modules() if is_experts_module(getattr(m, "experts", None) or torch.nn.Module())][-1]
+    routers = [m for n, m in block.named_children() if n in ("gate", "router")]
+    bias = None
+    with torch.no_grad():
+        for name, t in [*block.named_buffers(), *block.named_parameters()]:
+            if "correction_bias" in name and t.shape == (12,):
+                bias = t.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+        for p in (p for r in routers for p in r.parameters() if p.dim() == 2):
+            p.normal_(0, 4 * p.shape[-1] ** -0.5)
+    seen = {}
+    hooks = [routers[0].register_forward_hook(lambda m, args, out: seen.setdefault("router", out)),
+             block.experts.register_forward_pre_hook(lambda m, args: seen.setdefault("experts", args))]
+    with torch.no_grad():
+        model(input_ids=torch.randint(VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1)), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    out = seen["router"]
+    logits = (out if isinstance(out, torch.Tensor) else out[0]).reshape(tokens, -1).float()
+    _, ids, weights = seen["experts"]
+    return config, logits, None if bias is None else bias.float(), ids.reshape(tokens, -1), weights.reshape(tokens, -1)
+
+
 def prompts(rank: int, batch: int, length: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     return torch.randint(VOCAB, (batch, length), generator=g)

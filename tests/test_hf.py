@@ -18,13 +18,15 @@ import epmoe  # noqa: E402
 import epmoe.hf  # noqa: E402
 import hf_models  # noqa: E402
 from epmoe.hf import config_from_hf, expert_weights  # noqa: E402
-from epmoe.hf.checkpoint import Checkpoint, read_experts  # noqa: E402
+from epmoe.hf.checkpoint import (SIGMOID_MODEL_TYPES, SOFTMAX_MODEL_TYPES, UNNORMALIZED_MODEL_TYPES,  # noqa: E402
+                                 UNSUPPORTED_ROUTERS, Checkpoint, read_experts)
 from epmoe.hf.fp8 import dequantize_experts, quantize_experts  # noqa: E402
 from epmoe.hf.parallel import EPOptions, experts_modules  # noqa: E402
 from epmoe.hf.run import TOLERANCES, ExpertsCalls  # noqa: E402
 from epmoe.testing import rel_error  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 NEW = 5
 
@@ -322,7 +324,7 @@ def test_ep_implementation_registered():
 
 
 def test_config_from_deepseek_v3():
-    hf = SimpleNamespace(n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168, intermediate_size=18432,
+    hf = SimpleNamespace(model_type="deepseek_v3", n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168, intermediate_size=18432,
                          moe_intermediate_size=2048, scoring_func="sigmoid", n_group=8, topk_group=4,
                          norm_topk_prob=True, routed_scaling_factor=2.5)
     cfg = config_from_hf(hf, max_tokens_per_rank=128)
@@ -332,12 +334,12 @@ def test_config_from_deepseek_v3():
 
 
 def test_config_from_qwen3_and_mixtral():
-    qwen = config_from_hf(SimpleNamespace(num_experts=128, num_experts_per_tok=8, hidden_size=2048,
+    qwen = config_from_hf(SimpleNamespace(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, hidden_size=2048,
                                           moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=False))
     assert (qwen.num_experts, qwen.intermediate_size, qwen.scoring, qwen.renormalize) == (128, 768, "softmax", False)
     assert qwen.num_groups is None
-    mixtral = config_from_hf(SimpleNamespace(num_local_experts=8, num_experts_per_tok=2, hidden_size=4096,
-                                             intermediate_size=14336), dtype=torch.float32)
+    mixtral = config_from_hf(SimpleNamespace(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,
+                                             hidden_size=4096, intermediate_size=14336), dtype=torch.float32)
     assert (mixtral.num_experts, mixtral.top_k, mixtral.intermediate_size) == (8, 2, 14336)
     assert mixtral.renormalize and mixtral.dtype == torch.float32
 
@@ -358,7 +360,7 @@ def test_config_from_hf_routes_as_the_model(family):
     """FusedMoE(config_from_hf(model.config)) given the router's logits (and correction bias) computes what the
     model's own experts compute on its own routing, DeepSeek-V3's and GLM-4-MoE's configs holding no
     scoring_func included."""
-    if family == "glm4_moe" and "glm4_moe" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+    if family == "glm4_moe" and "glm4_moe" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no GLM-4-MoE")
     model, block, bias = _routed_layer(family)
     cfg = config_from_hf(model.config, dtype=torch.float32)
@@ -423,6 +425,42 @@ def test_config_from_deepseek_v2_groups_only_for_group_limited_greedy(method, gr
         logits, _, ids_hf = router(torch.randn(20, 64, generator=torch.Generator().manual_seed(4)))
         _, ids = epmoe.route(logits, cfg)
     assert torch.equal(ids_hf.sort(dim=-1).values, ids.long().sort(dim=-1).values)
+
+
+KNOWN_ROUTERS = sorted(SIGMOID_MODEL_TYPES | SOFTMAX_MODEL_TYPES | UNNORMALIZED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", KNOWN_ROUTERS)
+def test_config_from_hf_routes_as_the_router(model_type):
+    """For every model type config_from_hf knows: epmoe.route on its config (times the routed scaling factor,
+    as FusedMoE applies it), given a tiny model's router logits and its score correction bias if it has one,
+    picks the experts and weights that the model's MoE block hands its experts."""
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    config, logits, bias, ids_hf, weights_hf = hf_models.routed_call(model_type)
+    cfg = config_from_hf(config, dtype=torch.float32)
+    weights, ids = epmoe.route(logits, cfg, correction_bias_E=bias)  # (a bias with softmax scoring: refused)
+    theirs, ours = ids_hf.long().sort(dim=-1), ids.long().sort(dim=-1)
+    assert torch.equal(theirs.values, ours.values)
+    torch.testing.assert_close(weights.gather(1, ours.indices) * cfg.routed_scaling_factor,
+                               weights_hf.float().gather(1, theirs.indices), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED_ROUTERS))
+def test_config_from_hf_refuses_routers_it_cannot_compute(model_type):
+    hf = SimpleNamespace(model_type=model_type, num_experts=8, num_experts_per_tok=2, hidden_size=64,
+                         intermediate_size=32)
+    with pytest.raises(ValueError, match=f"cannot compute a '{model_type}' model's router"):
+        config_from_hf(hf, scoring="softmax")
+
+
+def test_config_from_hf_takes_an_unknown_router_only_when_told():
+    hf = SimpleNamespace(model_type="some_new_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64,
+                         intermediate_size=32, norm_topk_prob=False)
+    with pytest.raises(ValueError, match="does not know how a model_type='some_new_moe' router"):
+        config_from_hf(hf)
+    cfg = config_from_hf(hf, scoring="sigmoid")
+    assert (cfg.scoring, cfg.renormalize) == ("sigmoid", False)
 
 
 def test_config_from_dense_model_is_refused():

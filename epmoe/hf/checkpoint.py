@@ -235,22 +235,52 @@ def _first(hf_config: Any, *names: str) -> Any:
     return None
 
 
-# Model types whose routers score with a sigmoid (and a correction bias) while their transformers config has no
-# scoring_func: its DeepseekV3Config and Glm4MoeConfig, for example, have none (a checkpoint's config.json may).
-SIGMOID_MODEL_TYPES = frozenset({"deepseek_v3", "glm4_moe"})
+# How the routers of the model types epmoe knows turn logits into top-k weights, where a config does not
+# say it (transformers' config classes have no scoring_func; a checkpoint's config.json may). Each was
+# checked against its transformers router (tests/test_hf.py, test_config_from_hf_routes_as_the_router).
+# Sigmoid scores, plus the router's score correction bias where it has one:
+SIGMOID_MODEL_TYPES = frozenset({
+    "afmoe", "axk1", "axk2", "bailing_hybrid", "deepseek_v3", "deepseek_v32", "dots1", "exaone_moe", "flint",
+    "glm4_moe", "glm4_moe_lite", "glm4v_moe_text", "glm_moe_dsa", "hy_v3", "inkling2_text", "kimi_linear", "laguna",
+    "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "muse_spark_text", "solar_open"})
+# Softmax scores, renormalized over the top k unless norm_topk_prob is false:
+SOFTMAX_MODEL_TYPES = frozenset({
+    "cohere2_moe", "deepseek_v2", "flex_olmo", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoeshared",
+    "hunyuan_v1_moe", "lara_mini", "mellum", "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe_text",
+    "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text"})
+# Softmax scores taken as they are (no norm_topk_prob in their configs):
+UNNORMALIZED_MODEL_TYPES = frozenset({"jamba"})
+# Routers epmoe's routing cannot compute, and why:
+UNSUPPORTED_ROUTERS = {
+    "ernie4_5_moe": "a correction bias on softmax scores",
+    "inkling": "weights normalized together with the shared experts' logits",
+    "kolibri1": "a correction bias added to the logits before the sigmoid",
+    "llama4": "weights sigmoid(top-k logit)",
+    "llama4_text": "weights sigmoid(top-k logit)",
+    "phimoe": "sparsemixer weights",
+}
+_SCALING_NAMES = ("routed_scaling_factor", "router_scaling_factor", "route_scale")
 
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     """MoEConfig for one MoE layer of a Hugging Face model config (routing included: for `moe(x, logits)`).
 
-    Reads (first present wins): experts from n_routed_experts / num_experts / num_local_experts; top-k from
-    num_experts_per_tok; D from hidden_size; F from moe_intermediate_size / intermediate_size; scoring from
-    scoring_func ("sigmoid" or "softmax"), else sigmoid for the model types of SIGMOID_MODEL_TYPES
-    (DeepSeek-V3, GLM-4-MoE) and softmax for the others; grouped top-k from n_group / topk_group (unless
-    topk_method is "greedy", as DeepSeek-V2's default: a top-k over all experts);
-    renormalize from norm_topk_prob (default True); routed_scaling_factor. `overrides` (dtype, quant,
+    Reads (first present wins; from a composite config's text config): experts from n_routed_experts /
+    num_experts / num_local_experts; top-k from num_experts_per_tok; D from hidden_size; F from
+    moe_intermediate_size / intermediate_size; scoring from scoring_func ("sigmoid" or "softmax"), else by
+    model_type (SIGMOID_MODEL_TYPES, SOFTMAX_MODEL_TYPES, UNNORMALIZED_MODEL_TYPES); grouped top-k from
+    n_group / topk_group (unless topk_method is "greedy", as DeepSeek-V2's default: a top-k over all
+    experts); renormalize from norm_topk_prob (default: true but for UNNORMALIZED_MODEL_TYPES); the scaling
+    from routed_scaling_factor / router_scaling_factor / route_scale. `overrides` (dtype, quant,
     max_tokens_per_rank, scoring, ...) are passed to MoEConfig last.
+
+    Raises ValueError for a config without experts, for a model type whose router epmoe cannot compute
+    (UNSUPPORTED_ROUTERS: route with the model's own router, `moe(x, weights_TK=..., ids_TK=...)`), and
+    for a model type it does not know unless `overrides` give its scoring (and renormalize and
+    routed_scaling_factor where the config's norm_topk_prob and scaling do not say them).
     """
+    if hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
     num_experts = _first(hf_config, "n_routed_experts", "num_experts", "num_local_experts")
     top_k = _first(hf_config, "num_experts_per_tok")
     hidden = _first(hf_config, "hidden_size")
@@ -259,18 +289,27 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
                                     ("hidden_size", hidden), ("intermediate size", inter)) if v is None]
     if missing:
         raise ValueError(f"the model config has no {', '.join(missing)}: is it a MoE model?")
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in UNSUPPORTED_ROUTERS:
+        raise ValueError(f"epmoe's routing cannot compute a {model_type!r} model's router ({UNSUPPORTED_ROUTERS[model_type]}): "
+                         "route with the model's own router and call moe(x, weights_TK=..., ids_TK=...)")
+    known = model_type in SIGMOID_MODEL_TYPES | SOFTMAX_MODEL_TYPES | UNNORMALIZED_MODEL_TYPES
+    if not known and "scoring" not in overrides:
+        raise ValueError(f"config_from_hf does not know how a model_type={model_type!r} router weighs its experts: "
+                         "give scoring= ('softmax' or 'sigmoid'), and renormalize= and routed_scaling_factor= where "
+                         "the config's norm_topk_prob and routed_scaling_factor do not say them")
     scoring = _first(hf_config, "scoring_func")
     if scoring is None:
-        scoring = "sigmoid" if getattr(hf_config, "model_type", None) in SIGMOID_MODEL_TYPES else "softmax"
+        scoring = "sigmoid" if model_type in SIGMOID_MODEL_TYPES else "softmax"
     kwargs: dict[str, Any] = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
                                   scoring=scoring)
     norm = _first(hf_config, "norm_topk_prob")
-    kwargs["renormalize"] = True if norm is None else bool(norm)
+    kwargs["renormalize"] = model_type not in UNNORMALIZED_MODEL_TYPES if norm is None else bool(norm)
     groups, topk_groups = _first(hf_config, "n_group"), _first(hf_config, "topk_group")
     greedy = _first(hf_config, "topk_method") == "greedy"  # DeepSeek-V2's plain top-k, groups unused
     if groups is not None and topk_groups is not None and groups > 1 and not greedy:
         kwargs.update(num_groups=groups, topk_groups=topk_groups)
-    scaling = _first(hf_config, "routed_scaling_factor")
+    scaling = _first(hf_config, *_SCALING_NAMES)
     if scaling is not None:
         kwargs["routed_scaling_factor"] = float(scaling)
     kwargs.update(overrides)
