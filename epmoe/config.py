@@ -6,6 +6,7 @@ L local experts, K top-k, R ranks.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,15 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.quant must be one of {QUANT_MODES}, got {self.quant!r}")
         if self.scoring not in SCORINGS:
             raise ValueError(f"MoEConfig.scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"MoEConfig.renormalize must be a bool, got {self.renormalize!r}")
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError("MoEConfig.num_groups and topk_groups must be given together")
         if self.num_groups is not None:
+            for name in ("num_groups", "topk_groups"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"MoEConfig.{name} must be an int or None, got {value!r}")
             if self.num_groups < 1 or self.num_experts % self.num_groups:
                 raise ValueError(
                     f"MoEConfig.num_groups={self.num_groups} must divide num_experts={self.num_experts}")
@@ -82,8 +89,9 @@ class MoEConfig:
                 raise ValueError(
                     f"MoEConfig: topk_groups={self.topk_groups} groups of {self.num_experts // self.num_groups}"
                     f" experts hold fewer than top_k={self.top_k} experts")
-        if self.routed_scaling_factor <= 0:
-            raise ValueError(f"MoEConfig.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        scaling = self.routed_scaling_factor
+        if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not 0 < scaling < math.inf:
+            raise ValueError(f"MoEConfig.routed_scaling_factor must be a finite number > 0, got {scaling!r}")
 
     def local_experts(self, world_size: int) -> int:
         """L = E / R, the experts each rank owns (rank r owns [r*L, (r+1)*L))."""
