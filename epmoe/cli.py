@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import launch
 from .demo import CPU_SPEC, GPU_SPEC, LayerSpec
+from .registry import DISPATCHER_NAMES, EXPERTS_NAMES
 
 _BENCH_MODULES = {"experts": "epmoe.bench.experts", "dispatch": "epmoe.bench.dispatch",
                   "dispatch_ll": "epmoe.bench.dispatch_ll", "layer": "epmoe.bench.layer", "moe": "epmoe.bench.moe"}
@@ -153,12 +154,12 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .hf.run import generate_rank, spec_from_args
     except ModuleNotFoundError as e:
         fail(parser, f"needs transformers and safetensors (pip install 'epmoe[hf]'): {e}")
-    try:
-        spec = spec_from_args(args)
-    except ValueError as e:
-        fail(parser, str(e))
     one_rank = not _under_torchrun() and args.nproc in (None, 1)  # in this process
     world_size = 1 if one_rank else launch_world_size(parser, args.device, args.nproc)
+    try:
+        spec = spec_from_args(args, world_size)
+    except ValueError as e:
+        fail(parser, str(e))
     if not any(spec.batch[r % len(spec.batch)] for r in range(world_size)):
         fail(parser, f"--batch {args.batch}: no prompts on any of the {world_size} rank(s)")
     if one_rank:
@@ -247,26 +248,29 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="a checkpoint folder (safetensors, config.json)")
     src.add_argument("--preset", help="random weights at real shapes: qwen3-30b-a3b, deepseek-v2-lite, deepseek-v3, "
                                       "mixtral-8x7b (epmoe.hf.presets; comma-separated for --bench)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers of a preset (default: all)")
+    parser.add_argument("--layers", type=at_least(1), default=None, help="decoder layers of a preset (default: all)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--quant", default=None, help="none, fp8 or both (none,fp8): fp8 quantizes a preset's "
                                                       "experts per 128x128 block (default: none; --bench: both)")
     parser.add_argument("--batch", default="2", help="prompts per rank, or a comma-separated count per rank")
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prompt-len", type=at_least(1), default=16)
+    parser.add_argument("--new-tokens", type=at_least(1), default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dispatcher", default="auto", help="dispatcher of prefill calls")
-    parser.add_argument("--decode-dispatcher", default=None, help="dispatcher of decode calls (default: the same)")
-    parser.add_argument("--experts", default="auto")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per rank per prefill dispatch")
-    parser.add_argument("--decode-max-tokens", type=int, default=None, help="tokens per rank per decode dispatch")
+    parser.add_argument("--dispatcher", choices=("auto", *DISPATCHER_NAMES), default="auto",
+                        help="dispatcher of prefill calls")
+    parser.add_argument("--decode-dispatcher", choices=("auto", *DISPATCHER_NAMES), default=None,
+                        help="dispatcher of decode calls (default: the same)")
+    parser.add_argument("--experts", choices=("auto", *EXPERTS_NAMES), default="auto")
+    parser.add_argument("--max-tokens", type=at_least(1), default=4096, help="tokens per rank per prefill dispatch")
+    parser.add_argument("--decode-max-tokens", type=at_least(1), default=None,
+                        help="tokens per rank per decode dispatch")
     parser.add_argument("--check", action="store_true", help="compare with the unmodified transformers model")
     parser.add_argument("--bench", action="store_true", help="time prefill and decode-sized steps against "
                                                              "transformers' grouped_mm experts")
-    parser.add_argument("--bench-prefill", type=int, default=4096, help="--bench: tokens of the prefill step")
-    parser.add_argument("--bench-decode", type=int, default=256, help="--bench: batch of the decode step")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--bench-prefill", type=at_least(1), default=4096, help="--bench: tokens of the prefill step")
+    parser.add_argument("--bench-decode", type=at_least(1), default=256, help="--bench: batch of the decode step")
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
     parser.add_argument("--out", default=None, help="folder for the JSON results")
 
 

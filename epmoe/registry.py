@@ -25,6 +25,8 @@ _EXPERTS = {
     "triton": "epmoe.experts.triton:TritonExperts",
     "grouped_mm": "epmoe.experts.grouped_mm:GroupedMMExperts",
 }
+DISPATCHER_NAMES = tuple(_DISPATCHERS)
+EXPERTS_NAMES = tuple(_EXPERTS)
 # "auto" prefers the first available name in this order.
 _AUTO_DISPATCH_ORDER = ("local", "ht", "alltoall", "allgather")
 

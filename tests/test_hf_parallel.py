@@ -90,3 +90,26 @@ def test_generate_command(tmp_path, capfd):
     with pytest.raises(SystemExit) as refused:  # one line and exit code 2, before any rank starts
         cli.main(["generate", "--device", "cpu", "--preset", "nope"])
     assert refused.value.code == 2 and "unknown preset 'nope'" in capfd.readouterr().err
+
+
+def test_generate_refuses_what_its_ranks_could_not_run_before_they_start(tmp_path, capfd):
+    """Names, counts and the model's shapes are checked before any rank starts: one line, exit code 2."""
+    import hf_models
+    from epmoe import cli
+    folder = tmp_path / "model"
+    hf_models.tiny_model("qwen3_moe").save_pretrained(folder)  # E = 12 experts of F = 32
+    base = ["generate", "--device", "cpu", "--model", str(folder)]
+    for argv, words in [
+        (["--dispatcher", "nope"], "argument --dispatcher: invalid choice: 'nope'"),
+        (["--experts", "nope"], "argument --experts: invalid choice: 'nope'"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["--decode-max-tokens", "0"], "argument --decode-max-tokens: must be >= 1, got 0"),
+        (["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (["--batch", "x"], "--batch needs counts >= 0, one of them > 0, got 'x'"),
+        (["--nproc", "5"], "its 12 experts do not divide over 5 ranks"),
+        (["--bench"], "fp8 experts need an intermediate size divisible by 128, it has F=32: give --quant none"),
+    ]:
+        with pytest.raises(SystemExit) as refused:
+            cli.main(base + argv)
+        err = capfd.readouterr().err
+        assert refused.value.code == 2 and words in err.splitlines()[-1] and "Traceback" not in err, (argv, err)

@@ -262,6 +262,21 @@ UNSUPPORTED_ROUTERS = {
 _SCALING_NAMES = ("routed_scaling_factor", "router_scaling_factor", "route_scale")
 
 
+def moe_sizes(hf_config: Any) -> tuple[int, int, int, int]:
+    """(E, K, D, F) of a Hugging Face MoE model config's experts (see `config_from_hf`); ValueError naming
+    what a config without experts lacks."""
+    if hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
+    sizes = (_first(hf_config, "n_routed_experts", "num_experts", "num_local_experts"),
+             _first(hf_config, "num_experts_per_tok"), _first(hf_config, "hidden_size"),
+             _first(hf_config, "moe_intermediate_size", "intermediate_size"))
+    missing = [name for name, v in zip(("number of experts", "num_experts_per_tok", "hidden_size",
+                                        "intermediate size"), sizes) if v is None]
+    if missing:
+        raise ValueError(f"the model config has no {', '.join(missing)}: is it a MoE model?")
+    return sizes
+
+
 def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     """MoEConfig for one MoE layer of a Hugging Face model config (routing included: for `moe(x, logits)`).
 
@@ -281,14 +296,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     """
     if hasattr(hf_config, "get_text_config"):
         hf_config = hf_config.get_text_config()
-    num_experts = _first(hf_config, "n_routed_experts", "num_experts", "num_local_experts")
-    top_k = _first(hf_config, "num_experts_per_tok")
-    hidden = _first(hf_config, "hidden_size")
-    inter = _first(hf_config, "moe_intermediate_size", "intermediate_size")
-    missing = [name for name, v in (("number of experts", num_experts), ("num_experts_per_tok", top_k),
-                                    ("hidden_size", hidden), ("intermediate size", inter)) if v is None]
-    if missing:
-        raise ValueError(f"the model config has no {', '.join(missing)}: is it a MoE model?")
+    num_experts, top_k, hidden, inter = moe_sizes(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type in UNSUPPORTED_ROUTERS:
         raise ValueError(f"epmoe's routing cannot compute a {model_type!r} model's router ({UNSUPPORTED_ROUTERS[model_type]}): "

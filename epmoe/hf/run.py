@@ -27,10 +27,12 @@ import torch
 from transformers import AutoConfig
 
 from ..cli import DTYPES
+from ..config import FP8_BLOCK
 from ..launch import RankContext
 from ..testing import TOLERANCES as TESTING_TOLERANCES
 from ..testing import rel_error
 from ..timing import sync
+from .checkpoint import moe_sizes
 from .fp8 import dequantize_experts, quantize_experts
 from .loading import fp8_checkpoint, from_pretrained, load_dequantized
 from .parallel import EPOptions, expert_parallel, experts_modules, generate
@@ -69,8 +71,9 @@ class RunSpec:
         return self.model if self.model is not None else self.presets[0]
 
 
-def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    """The RunSpec of parsed arguments; ValueError for bad values (before any rank starts)."""
+def spec_from_args(args: argparse.Namespace, world_size: int) -> RunSpec:
+    """The RunSpec of parsed arguments for a launch of `world_size` ranks; ValueError for bad values (before
+    any rank starts), the models' expert counts and sizes included."""
     presets = tuple(args.preset.split(",")) if args.preset else ()
     for name in presets:
         preset_config(name, args.layers)  # unknown names and bad layer counts raise here
@@ -82,17 +85,27 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     quants = tuple((args.quant or ("none,fp8" if args.bench else "none")).split(","))
     if set(quants) - {"none", "fp8"} or (len(quants) > 1 and not args.bench):
         raise ValueError(f"--quant takes none or fp8 (--bench: also none,fp8), got {args.quant!r}")
-    batch = tuple(int(b) for b in args.batch.split(","))
-    if min(batch) < 0 or max(batch) < 1:
+    try:
+        batch = tuple(int(b) for b in args.batch.split(","))
+    except ValueError:
+        batch = ()
+    if not batch or min(batch) < 0 or max(batch) < 1:
         raise ValueError(f"--batch needs counts >= 0, one of them > 0, got {args.batch!r}")
-    for name in ("prompt_len", "new_tokens", "repeats", "bench_prefill", "bench_decode"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.model is not None and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r} is not a folder")
-    if args.model is not None and args.bench and fp8_checkpoint(AutoConfig.from_pretrained(args.model)):
+    configs = {name: preset_config(name, args.layers) for name in presets}
+    if args.model is not None:
+        configs[args.model] = AutoConfig.from_pretrained(args.model)
+    if args.model is not None and args.bench and fp8_checkpoint(configs[args.model]):
         raise ValueError("--bench runs presets and unquantized checkpoints (transformers' own fp8 experts need its "
                          "hub kernels); --quant fp8 quantizes their experts")
+    for source, config in configs.items():
+        E, _, _, F = moe_sizes(config)
+        if E % world_size:
+            raise ValueError(f"{source}: its {E} experts do not divide over {world_size} ranks (--nproc)")
+        if "fp8" in quants and not fp8_checkpoint(config) and F % FP8_BLOCK:
+            raise ValueError(f"{source}: fp8 experts need an intermediate size divisible by {FP8_BLOCK}, it has "
+                             f"F={F}: give --quant none")
     options = EPOptions(dispatcher=args.dispatcher, decode_dispatcher=args.decode_dispatcher, experts=args.experts,
                         max_tokens_per_rank=args.max_tokens, decode_max_tokens_per_rank=args.decode_max_tokens)
     return RunSpec(model=args.model, presets=presets, layers=args.layers, dtype=args.dtype, quants=quants,
