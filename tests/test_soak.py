@@ -174,3 +174,21 @@ def test_soak_command(tmp_path):
     assert summary["mismatches"] == 0 and summary["deterministic_paths"] == summary["paths"] >= 2
     assert summary["calls"] >= 2 * 8 and summary["outputs_compared"] > 0
     assert summary["bad_inputs_refused"] == summary["bad_inputs"] - len(cli_misses)
+
+
+def test_a_soak_that_runs_nothing_fails(capsys):
+    """The graph part on the CPU (CUDA graphs need a GPU) checks nothing: the soak says so and exits 1."""
+    assert run.main(["--device", "cpu", "--parts", "graphs", "--quick"]) == 1
+    assert "nothing ran: every path of --parts graphs was skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nproc", "-1"], "argument --nproc: must be >= 0, got -1"),
+    (["--fault-timeout", "0"], "argument --fault-timeout: must be a finite number > 0, got 0"),
+    (["--wait-timeout", "nan"], "argument --wait-timeout: must be a finite number > 0, got nan"),
+] + ([] if torch.cuda.is_available() else
+     [(["--device", "cuda"], "--device cuda: no CUDA device is visible here (--device cpu runs on the CPU)")]))
+def test_soak_option_errors_are_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"epmoe soak: error: {words}"

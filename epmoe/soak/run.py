@@ -41,10 +41,21 @@ def _names(choices: Sequence[str]):
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epmoe soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=at_least(0), default=None,
                    help="ranks of the process-group paths (default: 2 on cpu; every GPU on cuda if 2 or more, "
                         "else none); 0: none")
     p.add_argument("--parts", type=_names(PARTS), default=PARTS)
@@ -54,11 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=at_least(1), default=None, help="layer calls per path")
     p.add_argument("--interpreted-calls", type=at_least(1), default=None,
                    help="calls per path that runs Triton kernels under the interpreter (cpu)")
-    p.add_argument("--reruns", type=int, default=None, help="calls run again on a fresh layer (hashes compared)")
+    p.add_argument("--reruns", type=at_least(0), default=None, help="calls run again on a fresh layer (hashes compared)")
     p.add_argument("--replays", type=at_least(1), default=1000, help="replays per CUDA graph")
     p.add_argument("--emulated-ranks", type=at_least(1), default=None)
-    p.add_argument("--fault-timeout", type=float, default=3.0, help="collective time-out of the gloo faults (s)")
-    p.add_argument("--wait-timeout", type=float, default=None,
+    p.add_argument("--fault-timeout", type=positive_float, default=3.0, help="collective time-out of the gloo faults (s)")
+    p.add_argument("--wait-timeout", type=positive_float, default=None,
                    help="device-side wait time-out of the emulated faults (s; default 1 on cuda, 0.002 on cpu, "
                         "where the interpreter's stand-in clock counts 1 us a spin)")
     p.add_argument("--quick", action="store_true",
@@ -158,9 +169,10 @@ def missed_goals(tallies: list[Tally], graph_tallies: list[Tally], replays: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.nproc is not None and args.nproc < 0:
-        raise SystemExit(f"epmoe soak: --nproc must be >= 0, got {args.nproc}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here (--device cpu runs on the CPU)")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device) if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     spec = load_spec(args)
@@ -220,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bad_inputs": len(rows), "bad_inputs_refused": sum(r.ok for r in rows), "missed": missed,
     }
     print("figures: " + ", ".join(f"{k} {v}" for k, v in summary.items() if k != "missed"))
+    if not (tallies or graph_tallies or faults or rows):
+        missed.append(f"nothing ran: every path of --parts {','.join(args.parts)} was skipped (see above)")
     print("missed:\n  " + "\n  ".join(missed) if missed else "every goal met")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
