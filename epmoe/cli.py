@@ -106,7 +106,8 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", "-T", type=at_least(0), dest="tokens_per_rank", metavar="T",
                         help="T tokens per rank")
     parser.add_argument("--groups", type=at_least(1), dest="num_groups", metavar="G",
-                        help="expert groups for grouped top-k")
+                        help="expert groups for grouped top-k (default: DeepSeek-V3's, for the default E and K "
+                             "only: none where -E or -K is given)")
     parser.add_argument("--topk-groups", type=at_least(1), dest="topk_groups", metavar="G",
                         help="groups each token picks from")
     parser.add_argument("--scaling", type=float, dest="routed_scaling_factor", metavar="S",
@@ -118,6 +119,9 @@ def layer_spec(parser: argparse.ArgumentParser, args: argparse.Namespace, world_
     """The LayerSpec that add_layer_arguments' options ask for on args.device, checked for `world_size`
     ranks (its MoEConfig, E divisible by the ranks); exits 2 (`fail`) naming the value it refuses."""
     base = GPU_SPEC if args.device == "cuda" else CPU_SPEC
+    if (args.num_experts is not None or args.top_k is not None) and args.num_groups is None \
+            and args.topk_groups is None:
+        base = dataclasses.replace(base, num_groups=None, topk_groups=None)  # the default groups fit the default E, K
     fields = {name: getattr(args, name) for name in (
         "num_experts", "top_k", "hidden_size", "intermediate_size", "tokens_per_rank", "num_groups",
         "topk_groups", "routed_scaling_factor") if getattr(args, name) is not None}
@@ -171,10 +175,14 @@ def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _bench(argv: Sequence[str]) -> int:
+    usage = "usage: epmoe bench {experts,dispatch,layer,moe} [options]  (dispatch --mode ll: low latency; " \
+            "epmoe bench NAME --help: its options)"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
     if not argv or argv[0] not in ("experts", "dispatch", "layer", "moe"):
         unknown = f"epmoe bench: unknown benchmark {argv[0]!r}; " if argv else ""
-        print(f"{unknown}usage: epmoe bench {{experts,dispatch,layer,moe}} [options]  (dispatch --mode ll: low "
-              "latency)", file=sys.stderr)
+        print(f"{unknown}{usage}", file=sys.stderr)
         return 2
     stage, rest = argv[0], list(argv[1:])
     if stage == "dispatch" and _mode(rest) == "ll":

@@ -63,6 +63,19 @@ def test_bench_unknown_stage_and_missing_module(monkeypatch, capsys):
     assert "not in this build" in capsys.readouterr().err
 
 
+def test_bench_help_and_a_table_from_a_bad_file(tmp_path, capsys):
+    """`epmoe bench --help` lists the benchmarks (exit 0); `bench experts --table-from` of a missing or
+    foreign file is a one-line usage error."""
+    assert cli.main(["bench", "--help"]) == 0
+    assert "usage: epmoe bench {experts,dispatch,layer,moe}" in capsys.readouterr().out
+    (tmp_path / "empty.json").write_text("{}")
+    for path in (tmp_path / "missing.json", tmp_path / "empty.json"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["bench", "experts", "--table-from", str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--table-from {path}: not a readable experts_tune.json" in err.splitlines()[-1]
+
+
 def test_bench_dispatch_mode_ll_goes_to_the_ll_module(monkeypatch, capsys):
     monkeypatch.setitem(cli._BENCH_MODULES, "dispatch_ll", "epmoe.bench.ll_missing")
     assert cli.main(["bench", "dispatch", "--mode", "ll"]) == 2

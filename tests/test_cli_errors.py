@@ -36,6 +36,8 @@ def _exit_code(argv) -> int:
 @pytest.mark.parametrize("argv, words", [
     (["demo", "--device", "cpu", "-K", "99"], "MoEConfig.top_k=99 exceeds num_experts=16"),
     (["demo", "--device", "cpu", "-E", "15"],
+     "num_experts=15 is not divisible by the world size 2 (the layer: -E 15 -K 4 --groups None"),
+    (["demo", "--device", "cpu", "-E", "15", "--groups", "4", "--topk-groups", "2"],
      "MoEConfig.num_groups=4 must divide num_experts=15 (the layer: -E 15 -K 4 --groups 4"),
     (["demo", "--device", "cpu", "--nproc", "3"], "num_experts=16 is not divisible by the world size 3"),
     (["demo", "--device", "cpu", "-E", "6", "--groups", "3", "--topk-groups", "1", "-K", "2", "--nproc", "4"],
@@ -76,4 +78,4 @@ def test_a_config_error_from_the_shell_has_no_traceback():
                        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == ["epmoe demo: error: MoEConfig.top_k=99 exceeds num_experts=16 (the layer: -E 16 "
-                                     "-K 99 --groups 4 --topk-groups 2 --scaling 2.5, on 2 ranks)"]
+                                     "-K 99 --groups None --topk-groups None --scaling 2.5, on 2 ranks)"]

@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--table-from", help="write configs.json from this experts_tune.json (no GPU needed)")
     args = p.parse_args(argv)
     if args.table_from:
-        experts_tune.table_from(args.table_from, args.out)
+        try:
+            experts_tune.table_from(args.table_from, args.out)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # (json's errors are ValueErrors)
+            p.error(f"--table-from {args.table_from}: not a readable experts_tune.json ({type(e).__name__}: {e})")
         return
     if not torch.cuda.is_available():
         raise SystemExit("epmoe bench experts needs a CUDA GPU")
