@@ -1,6 +1,6 @@
 """The `epmoe` command: demo, check, bench, generate and soak. Parses arguments and hands over to the modules that work.
 
-    epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp32] [--quant none|fp8_block] [sizes]
+    epmoe demo  [--nproc N] [--device cpu|cuda] [--dtype bf16|fp16|fp32] [--quant none|fp8_block] [sizes]
     epmoe check [--nproc N] [--device cpu|cuda]
     epmoe bench experts|dispatch|layer|moe ...     (bench dispatch --mode ll -> the low-latency benchmark)
     epmoe generate --model DIR | --preset NAME [--nproc N] [--check] [--bench] ...   (transformers models)

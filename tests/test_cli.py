@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from epmoe import cli
 
@@ -112,3 +113,13 @@ def test_check_runs_the_cases_named():
     assert len(set(rows)) == len(rows) and r.stdout.splitlines()[-1] == f"{len(rows)} passed, 0 failed"  # once each
     bad = _run("check", "--cases", "one_expert,nope")
     assert bad.returncode == 2 and "unknown case(s) ['nope']" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU says")
+@pytest.mark.parametrize("argv", [["experts"], ["dispatch", "--out", "x"], ["dispatch", "--mode", "ll"], ["moe"]])
+def test_gpu_benchmarks_without_a_gpu_exit_2(argv, capsys):
+    try:
+        code = cli.main(["bench", *argv])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and "GPU" in capsys.readouterr().err.splitlines()[-1]

@@ -284,7 +284,8 @@ def main(argv: list[str]) -> None:
     """Entry point of `epmoe bench dispatch` (argv without the subcommand)."""
     args = _parse(argv)
     if torch.cuda.device_count() < args.ranks:
-        raise SystemExit(f"bench dispatch needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
+        print(f"epmoe bench dispatch: needs {args.ranks} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        raise SystemExit(2)
     check_nvlink_env()
     per_rank = spawn(_rank_main, args.ranks, "cuda", (args,))
     rows = sorted((r for rank_rows in per_rank for r in rank_rows), key=lambda r: (r["tokens"], r["precision"], r["rank"]))

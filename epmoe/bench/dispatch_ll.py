@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks, one GPU each (2 to 8)")
     args = parser.parse_args(argv)
     if not 2 <= args.ranks <= 8:
-        raise SystemExit(f"--ranks must be 2 to 8, got {args.ranks}")
+        parser.error(f"--ranks must be 2 to 8, got {args.ranks}")
     if torch.cuda.device_count() < args.ranks:
-        raise SystemExit(f"the ll benchmark needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
+        parser.error(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
     check_nvlink_env()
     per_rank = spawn(_rank_main, nprocs=args.ranks, device="cuda",
                      args=(tuple(args.tokens), args.iters, tuple(args.models)))

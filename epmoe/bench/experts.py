@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--table-from {args.table_from}: not a readable experts_tune.json ({type(e).__name__}: {e})")
         return
     if not torch.cuda.is_available():
-        raise SystemExit("epmoe bench experts needs a CUDA GPU")
+        p.error("needs a CUDA GPU (it times GPU kernels), and none is visible here")
     if any(t < 1 for t in args.tokens):
-        raise SystemExit(f"--tokens must be >= 1, got {args.tokens}")
+        p.error(f"--tokens must be >= 1, got {args.tokens}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
