@@ -91,7 +91,8 @@ def routed_call(model_type: str, tokens: int = 24):
     weights [T, K] that the block handed its experts)."""
     cls = transformers.models.auto.configuration_auto.CONFIG_MAPPING[model_type]
     defaults = cls()
-    config = cls(**{**{k: v for k, v in _ANY_FAMILY.items() if hasattr(defaults, k)}, **_FAMILY_SIZES.get(model_type, {})})
+    sizes = {k: v for k, v in _ANY_FAMILY.items() if hasattr(defaults, k)}
+    config = cls(**{**sizes, **_FAMILY_SIZES.get(model_type, {})})
     torch.manual_seed(0)
     auto = transformers.AutoModelForCausalLM  # (a composite model's text config: the text model itself)
     auto = auto if type(config) in auto._model_mapping else transformers.AutoModel

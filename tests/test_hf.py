@@ -100,7 +100,8 @@ def test_backend_refuses_gradients_for_the_experts_weights():
     _, module = experts_modules(model)[0]
     module.gate_up_proj.requires_grad_(True)
     g = torch.Generator().manual_seed(2)
-    x, ids, w = torch.randn(5, 64, generator=g), torch.randint(0, 12, (5, 2), generator=g), torch.rand(5, 2, generator=g)
+    x, ids = torch.randn(5, 64, generator=g), torch.randint(0, 12, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
     with pytest.raises(ValueError, match="inference only"):
         epmoe.hf.experts_forward(module, x, ids, w)
     with torch.no_grad():
@@ -120,7 +121,8 @@ def test_backend_follows_in_place_changes_to_the_scales_it_converts():
             setattr(module, name, torch.nn.Parameter(torch.exp2(scale.log2().ceil()).to(torch.float8_e8m0fnu),
                                                      requires_grad=False))
     g = torch.Generator().manual_seed(0)
-    x, ids, w = torch.randn(6, 160, generator=g), torch.randint(0, 12, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+    x, ids = torch.randn(6, 160, generator=g), torch.randint(0, 12, (6, 2), generator=g)
+    w = torch.rand(6, 2, generator=g)
     with torch.no_grad():
         before = epmoe.hf.experts_forward(module, x, ids, w)
         moe = module.__dict__["_epmoe_experts"][1]
@@ -324,9 +326,9 @@ def test_ep_implementation_registered():
 
 
 def test_config_from_deepseek_v3():
-    hf = SimpleNamespace(model_type="deepseek_v3", n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168, intermediate_size=18432,
-                         moe_intermediate_size=2048, scoring_func="sigmoid", n_group=8, topk_group=4,
-                         norm_topk_prob=True, routed_scaling_factor=2.5)
+    hf = SimpleNamespace(model_type="deepseek_v3", n_routed_experts=256, num_experts_per_tok=8, hidden_size=7168,
+                         intermediate_size=18432, moe_intermediate_size=2048, scoring_func="sigmoid", n_group=8,
+                         topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
     cfg = config_from_hf(hf, max_tokens_per_rank=128)
     assert (cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size) == (256, 8, 7168, 2048)
     assert (cfg.scoring, cfg.num_groups, cfg.topk_groups, cfg.routed_scaling_factor) == ("sigmoid", 8, 4, 2.5)
@@ -334,8 +336,9 @@ def test_config_from_deepseek_v3():
 
 
 def test_config_from_qwen3_and_mixtral():
-    qwen = config_from_hf(SimpleNamespace(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, hidden_size=2048,
-                                          moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=False))
+    qwen = config_from_hf(SimpleNamespace(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                                          hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                                          norm_topk_prob=False))
     assert (qwen.num_experts, qwen.intermediate_size, qwen.scoring, qwen.renormalize) == (128, 768, "softmax", False)
     assert qwen.num_groups is None
     mixtral = config_from_hf(SimpleNamespace(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2,

@@ -253,9 +253,7 @@ UNNORMALIZED_MODEL_TYPES = frozenset({"jamba"})
 # Routers epmoe's routing cannot compute, and why:
 UNSUPPORTED_ROUTERS = {
     "ernie4_5_moe": "a correction bias on softmax scores",
-    "inkling": "weights normalized together with the shared experts' logits",
     "kolibri1": "a correction bias added to the logits before the sigmoid",
-    "llama4": "weights sigmoid(top-k logit)",
     "llama4_text": "weights sigmoid(top-k logit)",
     "phimoe": "sparsemixer weights",
 }
@@ -299,7 +297,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> MoEConfig:
     num_experts, top_k, hidden, inter = moe_sizes(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type in UNSUPPORTED_ROUTERS:
-        raise ValueError(f"epmoe's routing cannot compute a {model_type!r} model's router ({UNSUPPORTED_ROUTERS[model_type]}): "
+        raise ValueError(f"epmoe's routing cannot compute a {model_type!r} model's router "
+                         f"({UNSUPPORTED_ROUTERS[model_type]}): "
                          "route with the model's own router and call moe(x, weights_TK=..., ids_TK=...)")
     known = model_type in SIGMOID_MODEL_TYPES | SOFTMAX_MODEL_TYPES | UNNORMALIZED_MODEL_TYPES
     if not known and "scoring" not in overrides:

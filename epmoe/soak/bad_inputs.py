@@ -177,8 +177,8 @@ def hf_cases() -> list[Case]:
     prefix = "model.layers.0.mlp.experts."
     partial = {f"{prefix}{e}.{n}.weight": torch.zeros(8, 16) for e in range(2) for n in ("gate_proj", "up_proj")}
     dense = SimpleNamespace(hidden_size=16, intermediate_size=8)
-    deepseek = SimpleNamespace(model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=2, hidden_size=16, moe_intermediate_size=8,
-                               n_group=3, topk_group=1)
+    deepseek = SimpleNamespace(model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=2, hidden_size=16,
+                               moe_intermediate_size=8, n_group=3, topk_group=1)
     return [
         Case("hf.config_from_hf", "a dense model's config (no experts)", lambda: config_from_hf(dense),
              ("num_experts_per_tok",)),

@@ -65,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=at_least(1), default=None, help="layer calls per path")
     p.add_argument("--interpreted-calls", type=at_least(1), default=None,
                    help="calls per path that runs Triton kernels under the interpreter (cpu)")
-    p.add_argument("--reruns", type=at_least(0), default=None, help="calls run again on a fresh layer (hashes compared)")
+    p.add_argument("--reruns", type=at_least(0), default=None,
+                   help="calls run again on a fresh layer (hashes compared)")
     p.add_argument("--replays", type=at_least(1), default=1000, help="replays per CUDA graph")
     p.add_argument("--emulated-ranks", type=at_least(1), default=None)
-    p.add_argument("--fault-timeout", type=positive_float, default=3.0, help="collective time-out of the gloo faults (s)")
+    p.add_argument("--fault-timeout", type=positive_float, default=3.0,
+                   help="collective time-out of the gloo faults (s)")
     p.add_argument("--wait-timeout", type=positive_float, default=None,
                    help="device-side wait time-out of the emulated faults (s; default 1 on cuda, 0.002 on cpu, "
                         "where the interpreter's stand-in clock counts 1 us a spin)")
