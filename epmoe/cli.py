@@ -46,6 +46,17 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """Exit with code 2 and one line on stderr: `<prog>: error: <message>`."""
     parser.exit(2, f"{parser.prog}: error: {message}\n")

@@ -75,8 +75,7 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> RunSpec:
     """The RunSpec of parsed arguments for a launch of `world_size` ranks; ValueError for bad values (before
     any rank starts), the models' expert counts and sizes included."""
     presets = tuple(args.preset.split(",")) if args.preset else ()
-    for name in presets:
-        preset_config(name, args.layers)  # unknown names and bad layer counts raise here
+    configs = {name: preset_config(name, args.layers) for name in presets}  # (unknown names, bad layer counts)
     if len(presets) > 1 and not args.bench:
         raise ValueError("several presets are for --bench; generate runs one")
     if args.model is not None and args.quant is not None and not args.bench:
@@ -93,7 +92,6 @@ def spec_from_args(args: argparse.Namespace, world_size: int) -> RunSpec:
         raise ValueError(f"--batch needs counts >= 0, one of them > 0, got {args.batch!r}")
     if args.model is not None and not os.path.isdir(args.model):
         raise ValueError(f"--model {args.model!r} is not a folder")
-    configs = {name: preset_config(name, args.layers) for name in presets}
     if args.model is not None:
         configs[args.model] = AutoConfig.from_pretrained(args.model)
     if args.model is not None and args.bench and fp8_checkpoint(configs[args.model]):

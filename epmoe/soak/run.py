@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from .. import launch
-from ..cli import at_least
+from ..cli import at_least, positive_float
 from .._table import format_table
 from .load import CPU_LOAD, GPU_LOAD, PRECISIONS, LoadSpec, Tally, digest_of, soak_emulated, soak_layers
 
@@ -39,17 +39,6 @@ def _names(choices: Sequence[str]):
             raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {', '.join(choices)}")
         return names
     return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
