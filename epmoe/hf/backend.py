@@ -6,11 +6,13 @@ tokens. The first call builds one FusedMoE (dispatcher `local`) per experts modu
 the module's own weight tensors (gate_up_proj [E, 2F, D] is w13's layout: no copy); it is kept outside
 the module tree (the module's state_dict and `save_pretrained` do not see it) and rebuilt when the
 module's weights are replaced (moved to another device, say), one it holds a copy of changes in place
-(`weights_key`), or the call's top-k changes.
+(`Binding.current`), or the call's top-k changes.
 
 Shape letters: T tokens, D hidden size, F expert intermediate size, E experts, L local experts, K top-k.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from ..layer import FusedMoE
 from .experts import ExpertsWeights, describe, experts_weights
 
 _BINDING = "_epmoe_experts"  # key in an experts module's __dict__ (not a submodule: not in its state_dict)
+_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 DEFAULT_MAX_TOKENS = 4096
 # The backend's layers replay CUDA graphs (epmoe.graphs) for calls of up to DEFAULT_MAX_TOKENS tokens (as
 # many as fit in epmoe.graphs.GRAPH_MAX_BYTES), prefill-sized ones too: a transformers model's step is paced
@@ -101,20 +104,36 @@ def compute_dtype(module: torch.nn.Module, hidden_states_TD: torch.Tensor) -> to
 
 def weights_key(module: torch.nn.Module, top_k: int, dtype: torch.dtype) -> tuple:
     """What the module's FusedMoE was built from: K, dtype, its weights' addresses, shapes and strides and
-    its scales' addresses (another dtype or device of a tensor is another allocation, at another address);
-    and the version counters of the tensors the layer holds copies of, not views (weights or scales that
-    are not contiguous, scales that are not float32, as UE8M0 ones), so that an in-place change to one
-    (`load_state_dict`, `copy_` under no_grad) rebuilds the layer. Writes through `.data` and to inference
-    tensors move no version counter and are not seen there."""
-    w13, w2, s13, s2 = (_tensor(module, name) for name in
-                        ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"))
+    its scales' addresses (another dtype or device of a tensor is another allocation, at another address)."""
+    w13, w2, s13, s2 = (_tensor(module, name) for name in _WEIGHTS)
     if w13 is None or w2 is None:
         return (top_k, dtype, None)  # (`experts_weights` refuses such a module)
-    copies = tuple(t._version for t, scale in ((w13, False), (w2, False), (s13, True), (s2, True))
-                   if t is not None and not t.is_inference()
-                   and (not t.is_contiguous() or (scale and t.dtype != torch.float32)))
     return (top_k, dtype, w13.data_ptr(), w13.shape, w13.stride(), w2.data_ptr(), w2.shape, w2.stride(),
-            None if s13 is None else s13.data_ptr(), None if s2 is None else s2.data_ptr(), copies)
+            None if s13 is None else s13.data_ptr(), None if s2 is None else s2.data_ptr())
+
+
+class Binding(NamedTuple):
+    """An experts module's FusedMoE and what it was built from."""
+
+    key: tuple  # weights_key
+    moe: FusedMoE
+    copies: tuple[tuple[torch.Tensor, int], ...]  # (tensor, its version counter) of the module's tensors the
+    #   layer holds no view of (UE8M0 scales made float32, non-contiguous weights made contiguous)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, key: tuple, moe: FusedMoE) -> "Binding":
+        held = (moe.experts.w13, moe.experts.w2, getattr(moe.experts, "w13_scale", None),
+                getattr(moe.experts, "w2_scale", None))
+        copies = tuple((t, t._version) for t, mine in zip((_tensor(module, name) for name in _WEIGHTS), held)
+                       if t is not None and not t.is_inference()
+                       and (mine is None or t.untyped_storage().data_ptr() != mine.untyped_storage().data_ptr()))
+        return cls(key, moe, copies)
+
+    def current(self, key: tuple) -> bool:
+        """Whether the layer still computes with the module's weights: the same key, and no tensor it copied
+        changed in place since (`load_state_dict`, `copy_` under no_grad move its version counter; writes
+        through `.data` and to inference tensors move none and are not seen)."""
+        return key == self.key and all(t._version == version for t, version in self.copies)
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -141,14 +160,14 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     dtype = compute_dtype(module, hidden_states)
     key = weights_key(module, top_k_index.shape[-1], dtype)
     bound = module.__dict__.get(_BINDING)
-    if bound is None or bound[0] != key:
+    if bound is None or not bound.current(key):
         weights = experts_weights(module)
         moe = moe_layer(weights, num_experts=weights.shape[0], top_k=top_k_index.shape[-1], dtype=dtype, group=None,
                         dispatcher="local", experts="auto", max_tokens_per_rank=DEFAULT_MAX_TOKENS,
                         device=module.gate_up_proj.device)
-        bound = module.__dict__[_BINDING] = (key, moe)
+        bound = module.__dict__[_BINDING] = Binding.of(module, key, moe)
     if dist.is_available() and dist.is_initialized():
         # transformers' expert parallelism hands this module's E local experts the ids of other ranks' as E
         # (its own experts backends skip any id >= E there)
-        top_k_index = top_k_index.masked_fill(top_k_index >= bound[1].cfg.num_experts, -1)
-    return run_moe(bound[1], hidden_states, top_k_index, top_k_weights)
+        top_k_index = top_k_index.masked_fill(top_k_index >= bound.moe.cfg.num_experts, -1)
+    return run_moe(bound.moe, hidden_states, top_k_index, top_k_weights)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from transformers.distributed.expert_parallel import EPImplementation
 
 from ..layer import FusedMoE
-from .backend import DEFAULT_MAX_TOKENS, check_inference, compute_dtype, moe_layer, run_moe, weights_key
+from .backend import DEFAULT_MAX_TOKENS, Binding, check_inference, compute_dtype, moe_layer, run_moe, weights_key
 from .experts import experts_weights
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single
@@ -36,12 +36,12 @@ class EpmoeEP(EPImplementation):
         self.module = experts
         self.ep_group, self.tp_group = ep_mesh.get_group(), tp_mesh.get_group()
         self.tp_size, self.tp_rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        self._bound: tuple[tuple, FusedMoE] | None = None
+        self._bound: Binding | None = None
         self._shared = ep_mesh.__dict__.setdefault(_SHARED, {})
 
     def _moe(self, top_k: int, dtype: torch.dtype) -> FusedMoE:
         key = weights_key(self.module, top_k, dtype)
-        if self._bound is None or self._bound[0] != key:
+        if self._bound is None or not self._bound.current(key):
             local = experts_weights(self.module)  # this rank's shard: the weights are local tensors in a call
             E = local.shape[0] * dist.get_world_size(self.ep_group)
             shared = (E, *local.shape[1:], local.quant, top_k, dtype)
@@ -49,8 +49,8 @@ class EpmoeEP(EPImplementation):
                             dispatcher=self._shared.get(shared, "auto"), experts="auto",
                             max_tokens_per_rank=DEFAULT_MAX_TOKENS, device=local.w13_END.device)
             self._shared[shared] = moe.dispatcher
-            self._bound = (key, moe)
-        return self._bound[1]
+            self._bound = Binding.of(self.module, key, moe)
+        return self._bound.moe
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
