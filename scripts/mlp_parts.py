@@ -52,12 +52,12 @@ def mlp_calls(name: str, t: int, fp8: bool, max_rows: int, experts: int | None =
     def up():
         return gate_up(x, w13, rows, x_scale_RG=xs, w13_scale=s13)
 
-    def dn(h, hs):
-        return down(h, w2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16)
+    def dn(h, hs, follows_gate_up=False):
+        return down(h, w2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, follows_gate_up=follows_gate_up)
 
     h, hs = up()
     parts = {"gate_up": up, "down": lambda: dn(h, hs), "down_random_h": lambda: dn(h_random, hs_random),
-             "mlp": lambda: dn(*up())}
+             "mlp": lambda: dn(*up(), follows_gate_up=True)}
     return parts, (L, D, F, [w13, w2])
 
 

@@ -74,13 +74,14 @@ def wgmma_serialized(kernel) -> bool:
     return "C7514" in log
 
 
-def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None):
-    """The pointer kernel as the launcher runs it for rows-per-expert bucket `bound`: batched up to 64
-    rows, contiguous above (gate-up: through a row index, with the `_indexed` entry; gather: through a
-    row index at any bound); a warp-specialized entry's `pointer_variant` (which serves fp32 and rows read
-    through an index)."""
+def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None,
+                    dependent: bool = False):
+    """The pointer kernel as the launcher runs it on Hopper for rows-per-expert bucket `bound`: batched up
+    to 64 rows, contiguous above (gate-up: through a row index, with the `_indexed` entry; gather: through
+    a row index at any bound); a warp-specialized entry's `pointer_variant` (which serves fp32 and rows read
+    through an index); a gate-up lets its dependent start early, a dependent down waits for it."""
     from epmoe.kernels import configs
-    from epmoe.kernels.grouped_gemm import _grouped_gemm_kernel
+    from epmoe.kernels.grouped_gemm import GDC_NONE, GDC_TRIGGER, GDC_WAIT, _grouped_gemm_kernel
     fp8 = dtype == "fp8e4nv"
     gate = op == "gate_up"
     gather = gate and bound > 64 if gather is None else gather
@@ -108,7 +109,8 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool
         BATCHED=bound <= 64 and not gather, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
         TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
         EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SCALE_GROUP=128)
+        GROUP_M=cfg.group_m, SCALE_GROUP=128,
+        GDC=(GDC_TRIGGER if gate else GDC_WAIT if dependent else GDC_NONE).value)
     kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
                             ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"], cfg.num_warps, cfg.num_stages)
     return kernel, cfg
@@ -146,7 +148,8 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
                    fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,
                    has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
-                   block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles)
+                   block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
+                   gdc_wait=cfg.pdl)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
                           ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
                           maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)
@@ -173,6 +176,9 @@ def ws_jobs() -> list:
         if cfg.warp_specialize == "cooperative" and (op, fp8, claimed := dataclasses.replace(
                 cfg, claim_tiles=True), gather) not in out:
             out.append((op, fp8, claimed, gather))
+    # the downs as programmatic dependents of their gate-ups
+    out += [(op, fp8, dataclasses.replace(cfg, pdl=True), gather) for op, fp8, cfg, gather in list(out)
+            if op == "down" and not cfg.pdl]
     return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
             for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
                       else (0, ))]
@@ -187,15 +193,18 @@ MEASURED_SPILLS_B = {("gate_up", "fp8e4nv", (128, 128, 128, 8, 3)): 24}
 
 def pointer_jobs() -> list:
     from epmoe.kernels import configs
-    jobs = [("pointer", op, dtype, bound, False, None) for op in configs.OPS for dtype in ("bf16", "fp32", "fp8e4nv")
+    jobs = [("pointer", op, dtype, bound, False, None, False) for op in configs.OPS
+            for dtype in ("bf16", "fp32", "fp8e4nv")
             for bound, _ in configs._table()[configs.table_key(op, dtype == "fp8e4nv")]]
     # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks; pointer entries only:
     # with a warp-specialized entry `gate_up` quantizes x first)
-    jobs += [("pointer", "gate_up", "fp8e4nv", bound, True, None)
+    # the downs as programmatic dependents of their gate-ups (`GemmConfig.pdl`)
+    jobs += [job[:-1] + (True, ) for job in jobs if job[1] == "down" and job[2] != "fp32"]
+    jobs += [("pointer", "gate_up", "fp8e4nv", bound, True, None, False)
              for bound, cfg in configs._table()[configs.table_key("gate_up", True)]
              if bound <= configs.HAND_SET_ROWS and cfg.block_k == 128 and cfg.warp_specialize is None]
     # the `_indexed` tables' own hand-set pointer entries, reading rows through the index
-    jobs += [("pointer", "gate_up", dtype, bound, False, True) for dtype in ("bf16", "fp8e4nv")
+    jobs += [("pointer", "gate_up", dtype, bound, False, True, False) for dtype in ("bf16", "fp8e4nv")
              for bound, cfg in configs._table().get(configs.table_key("gate_up", dtype == "fp8e4nv", True), ())
              if bound <= configs.HAND_SET_ROWS and cfg.warp_specialize is None]
     return jobs
@@ -214,11 +223,12 @@ def run_job(job) -> tuple[str, list[str]]:
         tag += " tma-store" if "cp.async.bulk.tensor.2d.global.shared" in kernel.asm["ptx"] else ""
         serialized = wgmma_serialized(kernel)
         check_spills = True
+        dependent = cfg.pdl
     else:
-        _, op, dtype, bound, quant_a, gather = job
-        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather)
-        tag = (f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''}{' gather' if gather else ''} "
-               f"rows<={bound} {cfg}")
+        _, op, dtype, bound, quant_a, gather, dependent = job
+        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather, dependent)
+        tag = (f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''}{' gather' if gather else ''}"
+               f"{' dependent' if dependent else ''} rows<={bound} {cfg}")
         serialized = False
         check_spills = dtype != "fp32"  # float32 is a correctness path, not a fast one
     spills, shared = spill_bytes(kernel), kernel.metadata.shared
@@ -226,6 +236,10 @@ def run_job(job) -> tuple[str, list[str]]:
         tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
         spills = max(0, spills - MEASURED_SPILLS_B.get((op, dtype, tiles), 0))
     failures = []
+    for instruction, wanted in (("griddepcontrol.launch_dependents", op == "gate_up"),
+                                ("griddepcontrol.wait", dependent)):
+        if (instruction in kernel.asm["ptx"]) != wanted:
+            failures.append(f"{tag}: {instruction} {'missing' if wanted else 'present'}")
     if shared > SHARED_BYTES:
         failures.append(f"{tag}: {shared} B of shared memory")
     if spills and check_spills:

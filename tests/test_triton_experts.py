@@ -730,6 +730,84 @@ def test_claimed_tiles_match_the_static_split_gpu(op, fp8, indexed, cfg, batched
         assert eager.tolist() == [0, 0]
 
 
+def test_a_down_is_launched_as_its_gate_ups_dependent_where_its_config_says(monkeypatch):
+    """`_gdc`: on a GPU with grid dependency control a gate-up lets a dependent start early, and a down that
+    follows its gate-up waits for it where its config sets pdl; nothing on other devices. TritonExperts
+    says that its down follows its gate-up."""
+    monkeypatch.setattr(grouped_gemm, "_has_gdc", lambda index: index == 0)
+    gpu, old_gpu, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    gdc = grouped_gemm._gdc
+    assert [gdc(d, True, False) for d in (gpu, old_gpu, cpu)] == [grouped_gemm.GDC_TRIGGER.value, 0, 0]
+    assert [gdc(d, False, True) for d in (gpu, old_gpu, cpu)] == [grouped_gemm.GDC_WAIT.value, 0, 0]
+    assert gdc(gpu, False, False) == grouped_gemm.GDC_NONE.value
+    launches = []
+    real = grouped_gemm._launch
+    monkeypatch.setattr(grouped_gemm, "_launch", lambda *a, **kw: (launches.append(
+        (kw["gate_up"], kw.get("follows_gate_up", False))), real(*a, **kw))[1])
+    triton_experts, reference = loaded_experts(2, 64, 32, torch.bfloat16, None)
+    batch = batch_for([3, 5], Layout.CONTIGUOUS, 64, torch.bfloat16)
+    torch.testing.assert_close(triton_experts(batch)[batch_rows_mask(batch)].float(),
+                               reference(batch)[batch_rows_mask(batch)].float(), rtol=TOL[torch.bfloat16][0],
+                               atol=TOL[torch.bfloat16][1])
+    assert launches == [(True, False), (False, True)]
+
+
+# The launch table's down entries as programmatic dependents of their gate-ups (the cooperative ones also
+# claiming their tiles, from the same stream's counter as a claiming gate-up before them).
+PDL_CASES = [(fp8, cfg) for fp8 in (False, True)
+             for cfg in dict.fromkeys(dataclasses.replace(c, pdl=True, claim_tiles=claim) for _, c in
+                                      configs._table()[configs.table_key("down", fp8)]
+                                      for claim in ((False, True) if c.warp_specialize == "cooperative" else (False,)))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,cfg", PDL_CASES,
+                         ids=[f"{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}" for fp8, c in PDL_CASES])
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("counts", [[0, 1, 7, 64, 300, 129, 2, 1000], [5]])
+def test_dependent_down_matches_gpu(fp8, cfg, batched, counts):
+    """A down launched as its gate-up's programmatic dependent (it starts while the gate-up ends and reads h
+    after it): bit for bit the outputs of the same config launched after it, over a run of batches whose h
+    lands where the batch before left its own (a down that read h early would see that one's); the gate-up
+    claiming its tiles where the down does; the pair captured into a CUDA graph."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    L, D, F = len(counts), 384, 256
+    rows, R = make_rows(counts, batched)
+    w13, w2 = weights(L, D, F)
+    row_scale = torch.rand(R, device=DEVICE)
+    up_cfg = gemm_config("gate_up", fp8=fp8, rows_hint=rows.rows_hint(R), on_gpu=True)
+    if cfg.claim_tiles and up_cfg.warp_specialize == "cooperative":
+        up_cfg = dataclasses.replace(up_cfg, claim_tiles=True)
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
+    else:
+        w13, w2, s13, s2 = w13.bfloat16(), w2.bfloat16(), None, None
+    xs = [torch.randn(R, D, device=DEVICE).bfloat16() for _ in range(6)]
+    if fp8:
+        xs = [quantize_act_ref(x) for x in xs]
+    else:
+        xs = [(x, None) for x in xs]
+    valid = valid_mask(rows, R)
+
+    def mlp(x, x_s, down_cfg, follows):
+        h, h_s = gate_up(x, w13, rows, x_scale_RG=x_s, w13_scale=s13, config=up_cfg)
+        return down(h, w2, rows, h_scale_RG=h_s, w2_scale=s2, row_scale_R=row_scale, out_dtype=torch.bfloat16,
+                    config=down_cfg, follows_gate_up=follows)
+
+    after = dataclasses.replace(cfg, pdl=False)
+    want = [mlp(x, x_s, after, False)[valid].view(torch.uint8) for x, x_s in xs]
+    got = [mlp(x, x_s, cfg, True)[valid].view(torch.uint8) for x, x_s in xs]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"batch {i}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        in_graph = mlp(*xs[0], cfg, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(in_graph[valid].view(torch.uint8), want[0])
+
+
 def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
     """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values a
     float32 sum in another order rounds to the neighbouring e4m3 value (one step: 2^-3 relative)."""
@@ -742,12 +820,14 @@ def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("op,fp8,gather,schedule", [
     ("gate_up", False, False, None), ("down", True, False, None), ("gate_up", True, False, None),
     ("gate_up", False, True, None), ("gate_up", True, True, None), ("down", False, False, "split"),
-    ("gate_up", True, False, "split"), ("gate_up", False, True, "claim"), ("gate_up", True, False, "claim")])
+    ("gate_up", True, False, "split"), ("gate_up", False, True, "claim"), ("gate_up", True, False, "claim"),
+    ("down", True, False, "dependent")])
 def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, schedule, monkeypatch):
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
     of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
     (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles; claim: the
-    stream's tile counter, zero, in place of the unread pointer)."""
+    stream's tile counter, zero, in place of the unread pointer; dependent: a programmatic dependent launch
+    whose partitions wait)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -756,11 +836,13 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg")}
+                options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg", "launch_pdl")}
                 calls.append((grid, signature.bind(*args, **kwargs).arguments, options))
             return launch
     monkeypatch.setattr(ws, "_ws_gemm_kernel", Spy())
-    claim = schedule == "claim"
+    claim, dependent = schedule == "claim", schedule == "dependent"
+    if dependent:
+        schedule = None
     cfg = next(c for c in experts_tune.WS_CANDIDATES[(op, fp8)]
                if ("cooperative" if claim else schedule) in (None, c.warp_specialize))
     if claim:
@@ -780,9 +862,10 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     a = a.bfloat16() if not fp8 else a
     a_rows = torch.arange(R, dtype=torch.int32).flip(0) if gather else None
     ws.launch(a, a_s, w.bfloat16() if not fp8 else w, w_s, offsets, False, 0, out,
-              out_scale, None, gate_up=op == "gate_up", cfg=cfg, programs=7, a_rows=a_rows)
+              out_scale, None, gate_up=op == "gate_up", cfg=cfg, programs=7, a_rows=a_rows, dependent=dependent)
     (grid, bound, options), = calls
-    assert grid == (7, ) and options == {"num_warps": cfg.num_warps, "maxnreg": ws._MAX_REGISTERS}
+    assert grid == (7, ) and options == {"num_warps": cfg.num_warps, "maxnreg": ws._MAX_REGISTERS,
+                                         "launch_pdl": dependent}
     assert bound["a_desc"].block_shape == [cfg.block_m, cfg.block_k]
     assert bound["b_desc"].block_shape == [cfg.block_n, cfg.block_k] and bound["b_desc"].shape[0] == w.shape[0] * w.shape[1]
     assert (bound["L"], bound["R"], bound["N"], bound["K"]) == (L, R, N, K)
@@ -791,7 +874,7 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
                                                                             out_scale is not None, False)
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
-    assert meta.claim == claim
+    assert meta.claim == claim and meta.gdc_wait == dependent
     assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claim else offsets)
     assert not claim or bound["counter_ptr"].tolist() == [0, 0]
     # 16-bit outputs of the cooperative and split schedules store full tiles by TMA where the buffer fits (not
@@ -1026,11 +1109,13 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
     bad = {"missing": {k: v for k, v in tables.items() if k != "down_fp8"},
            "unordered": {**tables, "down_bf16": [[256, mine.to_dict()], [128, mine.to_dict()]]},
            "unknown field": {**tables, "down_bf16": [[256, {**mine.to_dict(), "blockm": 3}]]},
-           "invalid config": {**tables, "down_bf16": [[256, {**mine.to_dict(), "block_m": 8}]]}}
+           "invalid config": {**tables, "down_bf16": [[256, {**mine.to_dict(), "block_m": 8}]]},
+           "dependent gate-up": {**tables, "gate_up_fp8_indexed": [[256, {**mine.to_dict(), "pdl": True}]]}}
+    says = {"dependent gate-up": "'gate_up_fp8_indexed' sets pdl, which only down GEMMs take"}
     for name, broken in bad.items():
         monkeypatch.setenv(configs.TABLE_ENV, str(_write_table(tmp_path / f"{name}.json", broken)))
         configs._in_use.cache_clear()
-        with pytest.raises(ValueError, match=f"{name}.json \\(from EPMOE_GEMM_TABLE\\)"):
+        with pytest.raises(ValueError, match=f"{name}.json \\(from EPMOE_GEMM_TABLE\\): {says.get(name, '')}"):
             configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
     (tmp_path / "garbled.json").write_text("{")
     for name in ("garbled.json", "absent.json"):

@@ -109,11 +109,11 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
 
     def triton_bf16(rows=contiguous):
         h, _ = gate_up(x, w13, rows)
-        return down(h, w2, rows)
+        return down(h, w2, rows, follows_gate_up=True)
 
     def triton_fp8():
         h, hs = gate_up(xq, q13, contiguous, x_scale_RG=xs, w13_scale=s13)
-        return down(h, q2, contiguous, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16)
+        return down(h, q2, contiguous, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, follows_gate_up=True)
 
     def gmm():
         torch._grouped_mm(x, w13_t, offs=offs, out_dtype=torch.bfloat16)

@@ -130,7 +130,8 @@ def describe(cfg: GemmConfig) -> str:
         kind = f"ws-{_SHORT[cfg.warp_specialize]}{'+pipe' if cfg.pipe_mma else ''}{'+claim' if cfg.claim_tiles else ''}"
     else:
         kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}"
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}"
+    pdl = " pdl" if cfg.pdl else ""
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}{pdl}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -83,5 +83,5 @@ class TritonExperts(Experts):
         h, h_scale = gate_up(x_RD, self.w13, rows, x_scale_RG=x_scale, w13_scale=self.w13_scale,
                              x_rows_R=batch.row_index_N, rows_hint=hint)
         y = down(h, self.w2, rows, h_scale_RG=h_scale, w2_scale=self.w2_scale, out_dtype=self.cfg.dtype,
-                 rows_hint=hint, row_scale_R=batch.weights_N if weighted else None)
+                 rows_hint=hint, row_scale_R=batch.weights_N if weighted else None, follows_gate_up=True)
         return y.view(batch.out_shape)

@@ -54,6 +54,10 @@ class GemmConfig:
     the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
     their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
     of them (under CUDA graph capture too: `grouped_gemm_ws.tile_counter`).
+    pdl (down GEMMs, on Hopper and later): where the caller says that the gate-up which wrote h is the last
+    work queued before it (`grouped_gemm.down`'s follows_gate_up), the down launches as that gate-up's
+    programmatic dependent: its programs start on the SMs the gate-up's programs leave, build their tile
+    map meanwhile, and wait for the gate-up to end (griddepcontrol.wait) before they read h or write.
     """
 
     block_m: int
@@ -66,6 +70,7 @@ class GemmConfig:
     warp_specialize: str | None = None
     pipe_mma: bool = False
     claim_tiles: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):
@@ -142,7 +147,7 @@ def _in_use() -> tuple[Path, dict[str, list[tuple[int, GemmConfig]]]]:
 def _load_table(path: Path, source: str = "") -> dict[str, list[tuple[int, GemmConfig]]]:
     """{table key: [(max rows per expert, config), ...]} of a configs.json; ValueError, naming the file (and
     `source`, where it was named), if it cannot serve every launch (a plain entry per op and precision,
-    buckets in increasing order, valid configs)."""
+    buckets in increasing order, valid configs, pdl on down entries only)."""
     where = f"launch table {path}{source}"
     try:
         raw = json.loads(path.read_text())["tables"]
@@ -156,6 +161,8 @@ def _load_table(path: Path, source: str = "") -> dict[str, list[tuple[int, GemmC
         bounds = [bound for bound, _ in buckets]
         if bounds != sorted(set(bounds)) or not bounds or bounds[0] < 1:
             raise ValueError(f"{where}: {key!r} needs buckets of increasing max rows >= 1, got {bounds}")
+        if key.startswith("gate_up") and any(cfg.pdl for _, cfg in buckets):
+            raise ValueError(f"{where}: {key!r} sets pdl, which only down GEMMs take")
     return table
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F_
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups, quantize_act_ref
@@ -49,6 +50,9 @@ except ImportError:
 # programs that loop over several tiles.
 _PROGRAMS_PER_SM = 4
 _INTERPRETER_PROGRAMS = 3
+# Grid dependency control of a launch (`_gdc`): none, a gate-up that lets its programmatic dependent start
+# early, a down launched as one.
+GDC_NONE, GDC_TRIGGER, GDC_WAIT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # The tile map reads the L counts as one block of at least this many lanes, so that the common local
 # expert counts (<= 128) share one compiled kernel.
 _MIN_EXPERT_BLOCK = 128
@@ -107,7 +111,7 @@ def _grouped_gemm_kernel(
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr):
+        GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr, GDC: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
 
     A [R, K] row-major, or with GATHER [S, K] read through a_rows [R] (row i of the batch is A[a_rows[i]]);
@@ -120,12 +124,17 @@ def _grouped_gemm_kernel(
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
     at a time, as `quantize_act` would (same scales and rounding); rows past the counts are never read.
+    GDC (grid dependency control, Hopper and later; `_gdc`): GDC_TRIGGER lets a programmatic dependent
+    launch start as soon as every program has begun; GDC_WAIT (the kernel launched as one) builds the tile
+    map, then waits for the grid before it to end before it reads A or writes.
     """
     tl.static_assert((not QUANT_OUT) or ((GATE_UP and FP8) and (BLOCK_N == SCALE_GROUP)),
                      "fp8 h output needs the gate-up fp8 kernel with BLOCK_N == 128")
     tl.static_assert(not FP8 or SCALE_GROUP % BLOCK_K == 0, "fp8 needs BLOCK_K to divide 128")
     tl.static_assert((not QUANT_A) or (FP8 and (BLOCK_K == SCALE_GROUP)), "QUANT_A needs fp8 and BLOCK_K == 128")
 
+    if GDC == GDC_TRIGGER:
+        gdc_launch_dependents()
     # Tile map, built on device from the L counts: expert l owns the row tiles
     # [tiles_end[l] - tiles[l], tiles_end[l]).
     e = tl.arange(0, L_POW2)
@@ -140,6 +149,8 @@ def _grouped_gemm_kernel(
     tiles_end = tl.cumsum(tiles, 0)
     num_tiles_m = tl.sum(tiles, 0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
+    if GDC == GDC_WAIT:
+        gdc_wait()
     # Persistent loop over the real tiles only (the grid is capped on the host).
     for tile in range(tl.program_id(0), num_tiles_m * num_tiles_n, tl.num_programs(0)):
         expert, row0, row_end, pid_n = tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
@@ -303,6 +314,20 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
+@functools.cache
+def _has_gdc(device_index: int) -> bool:
+    """Grid dependency control (griddepcontrol, programmatic dependent launch): Hopper and later."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _gdc(device: torch.device, gate_up: bool, dependent: bool) -> int:
+    """A launch's grid dependency control: on a GPU that has it, a gate-up lets its dependent start early
+    (the trigger costs nothing where the next launch is not one) and a down launched as one waits."""
+    if device.type != "cuda" or not _has_gdc(device.index):
+        return GDC_NONE.value
+    return GDC_TRIGGER.value if gate_up else GDC_WAIT.value if dependent else GDC_NONE.value
+
+
 def _max_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index) * _PROGRAMS_PER_SM
@@ -318,7 +343,10 @@ def _warp_specialized(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, out: to
 
 
 def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale, *, gate_up: bool,
-            cfg: GemmConfig, a_rows: torch.Tensor | None = None) -> None:
+            cfg: GemmConfig, a_rows: torch.Tensor | None = None, follows_gate_up: bool = False) -> None:
+    """One grouped GEMM on the warp-specialized kernel where it can serve it, else the pointer kernel; a down
+    that follows its gate-up (nothing queued between) and whose config sets pdl as its programmatic
+    dependent."""
     R, N = out.shape
     K = a.shape[1]
     L = rows.num_experts
@@ -328,11 +356,12 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     fp8 = w.dtype == FP8_DTYPE
     a_scale = None if a_scale is None else a_scale.contiguous()
     w_scale = w_scale.contiguous() if fp8 else None
+    gdc = _gdc(a.device, gate_up, cfg.pdl and follows_gate_up)
     if _warp_specialized(cfg, a, w, out, rows, gate_up=gate_up, gathered=a_rows is not None):
         grouped_gemm_ws.launch(a, a_scale, w, w_scale, rows.index_L, rows.batched, rows.slot_rows, out, out_scale,
                                row_scale, gate_up=gate_up, cfg=cfg,
                                programs=min(max_tiles_m * triton.cdiv(N, cfg.block_n), _sm_count(a.device.index)),
-                               a_rows=a_rows)
+                               a_rows=a_rows, dependent=gdc == GDC_WAIT.value)
         return
     cfg = cfg.pointer_variant(a.element_size())
     dummy = out  # placeholder pointer for arguments a variant does not read
@@ -356,8 +385,8 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
         IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK, GDC=gdc,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=gdc == GDC_WAIT.value)
 
 
 def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_scale_RG: torch.Tensor | None = None,
@@ -421,7 +450,7 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
 def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_RG: torch.Tensor | None = None,
          w2_scale: torch.Tensor | None = None, row_scale_R: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, rows_hint: int | None = None,
-         config: GemmConfig | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, follows_gate_up: bool = False) -> torch.Tensor:
     """y = h W2^T per expert, optionally times a per-row scale (the top-k weights). No host sync.
 
     Args:
@@ -431,6 +460,10 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
         row_scale_R: optional float32 [R], multiplies each output row in the epilogue.
         out_dtype: y's dtype (default h's dtype; required for fp8 input).
         rows_hint, config: as for `gate_up`.
+        follows_gate_up: the last work queued on the current stream is the `gate_up` that wrote h_RF (and
+            h_scale_RG), which writes nothing else this call reads. With a launch config that sets pdl (on
+            Hopper and later) the down then launches as that gate-up's programmatic dependent and starts
+            while it ends (`GemmConfig`); the result is the same either way.
 
     Returns:
         y_RD [R, D] in out_dtype; rows outside the experts' rows are unspecified.
@@ -450,7 +483,8 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
                                 element_size=h_RF.element_size(), scattered=rows_hint is None and not rows.batched)
     y = torch.empty(R, w2_LDF.shape[1], dtype=out_dtype, device=h_RF.device)
     _launch(h_RF.contiguous(), h_scale_RG, w2_LDF.contiguous(), w2_scale, rows, y, None,
-            None if row_scale_R is None else row_scale_R.contiguous(), gate_up=False, cfg=cfg)
+            None if row_scale_R is None else row_scale_R.contiguous(), gate_up=False, cfg=cfg,
+            follows_gate_up=follows_gate_up)
     return y
 
 

@@ -30,6 +30,9 @@ Tiles go to the programs statically (program p takes tiles p, p + programs, ...)
 last one's loads and hands its number to the consumer in a slot beside the ring stage of the tile's first K
 block, so that the SMs that get more of the memory bandwidth take more tiles; the last program to claim past
 the end sets the counter back to zero for the next launch on its stream (`tile_counter`).
+A gate-up lets a programmatic dependent launch (a down that follows it: `Meta.gdc_wait`) start as soon as
+all of its programs have begun; the down's programs then take the SMs the gate-up's leave, build their tile
+map, and wait for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
@@ -129,6 +132,7 @@ class Meta:
     group_m: int
     stages: int
     claim: bool = False  # tiles from the launch's counter (cooperative schedule; `tile_counter`)
+    gdc_wait: bool = False  # launched as a programmatic dependent: every partition waits after its tile map
     row_off: int = 0  # split: the first row of a tile this consumer multiplies (`for_consumer`)
 
     def for_consumer(self, consumer: int) -> "Meta":
@@ -180,6 +184,14 @@ def _tile_map(index_ptr, L, SLOT_ROWS, META: gl.constexpr):
         count = gl.load(index_ptr + e + 1, mask=e_mask, other=0) - base
     tiles = (count + META.block_m - 1) // META.block_m
     return e, base, count, tiles, gl.associative_scan(tiles, 0, _add)
+
+
+@gluon.jit
+def _gdc_wait(META: gl.constexpr):
+    """A programmatic dependent launch (`Meta.gdc_wait`): wait until the grid before it has ended and its
+    writes are visible (griddepcontrol.wait); before it a partition reads only the tile map's counts."""
+    if META.gdc_wait:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -314,6 +326,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     """The loader: the K blocks of this program's tiles into the ring, in ring order."""
     index_ptr, L, SLOT_ROWS, N, K, counter_ptr = args[5], args[6], args[7], args[9], args[10], args[17]
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
+    _gdc_wait(META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
     total = num_tiles_m * num_tiles_n
@@ -510,6 +523,7 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     FIRST: gl.constexpr = CONSUMER if META.schedule == 1 else 0
 
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
+    _gdc_wait(META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
     total = num_tiles_m * num_tiles_n
@@ -607,6 +621,9 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
     gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES),
                      "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages")
+    if META.gate_up:  # a programmatic dependent launch (the down) may start once every program has begun
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     STAGES: gl.constexpr = META.stages  # (shapes take constexprs: triton 3.6 does not make a field one)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -726,14 +743,15 @@ def tile_counter(device: torch.device) -> torch.Tensor:
 
 
 def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, out_scale, row_scale, *,
-           gate_up: bool, cfg, programs: int, a_rows: torch.Tensor | None = None) -> None:
+           gate_up: bool, cfg, programs: int, a_rows: torch.Tensor | None = None, dependent: bool = False) -> None:
     """Launch the kernel for one grouped GEMM (operands checked by the caller, `supported` true).
 
     a [R, K] and w [L, N (x2 for gate-up), K] in one dtype (fp8: a_scale [R, G], w_scale [L, ., G]);
     or a [S, K] (and a_scale [S, G]) read through a_rows, int32 [R] in [0, S) (gate-up, contiguous);
     out [R, N] (fp8 h with out_scale [R, N / 128] when given); row_scale [R] or None; index_L: int32
     offsets [L+1] or counts [L] (batched, slot_rows rows per slot); programs: the grid (one per SM). A config
-    with claim_tiles takes its tiles from a `tile_counter`.
+    with claim_tiles takes its tiles from a `tile_counter`. A gate-up lets a programmatic dependent launch
+    start once its programs have begun; dependent: launch as one (a down that follows its gate-up).
     """
     R, N = out.shape
     K = a.shape[1]
@@ -756,7 +774,8 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
                 if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
                 has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
-                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles)
+                block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
+                gdc_wait=dependent)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
         a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
@@ -764,4 +783,5 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
         counter if cfg.claim_tiles else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0,
         w_scale.stride(1) if fp8 else 0,
-        num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS)
+        num_groups(K), num_groups(N), META=meta, num_warps=cfg.num_warps, maxnreg=_MAX_REGISTERS,
+        launch_pdl=dependent)
