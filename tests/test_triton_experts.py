@@ -732,14 +732,34 @@ def test_claimed_tiles_match_the_static_split_gpu(op, fp8, indexed, cfg, batched
 
 def test_a_down_is_launched_as_its_gate_ups_dependent_where_its_config_says(monkeypatch):
     """`_gdc`: on a GPU with grid dependency control a gate-up lets a dependent start early, and a down that
-    follows its gate-up waits for it where its config sets pdl; nothing on other devices. TritonExperts
-    says that its down follows its gate-up."""
+    follows its gate-up waits for it; nothing on other devices. The pointer kernel's launch: a down as a
+    dependent (GDC wait, launch_pdl) only where its config sets pdl and the caller says it follows its
+    gate-up. TritonExperts says that its down follows its gate-up."""
     monkeypatch.setattr(grouped_gemm, "_has_gdc", lambda index: index == 0)
     gpu, old_gpu, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     gdc = grouped_gemm._gdc
-    assert [gdc(d, True, False) for d in (gpu, old_gpu, cpu)] == [grouped_gemm.GDC_TRIGGER.value, 0, 0]
-    assert [gdc(d, False, True) for d in (gpu, old_gpu, cpu)] == [grouped_gemm.GDC_WAIT.value, 0, 0]
-    assert gdc(gpu, False, False) == grouped_gemm.GDC_NONE.value
+    trigger, wait, none = (v.value for v in (grouped_gemm.GDC_TRIGGER, grouped_gemm.GDC_WAIT, grouped_gemm.GDC_NONE))
+    assert [gdc(d, True, False) for d in (gpu, old_gpu, cpu)] == [trigger, none, none]
+    assert [gdc(d, False, True) for d in (gpu, old_gpu, cpu)] == [wait, none, none]
+    assert gdc(gpu, False, False) == none
+
+    kernels = []
+
+    class Spy:  # the pointer kernel's launch, on the CPU tensors as if they were on that GPU
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: kernels.append((kwargs["GATE_UP"], kwargs["GDC"],
+                                                           kwargs.get("launch_pdl", False)))
+    with monkeypatch.context() as patch:
+        patch.setattr(grouped_gemm, "_grouped_gemm_kernel", Spy())
+        patch.setattr(grouped_gemm, "_gdc", lambda device, gate_up, dependent: gdc(gpu, gate_up, dependent))
+        w13, w2 = weights(2, 64, 32)
+        rows, R = make_rows([3, 5], False)
+        cfg = configs.INTERPRETER_CONFIG
+        h, _ = gate_up(torch.randn(R, 64), w13, rows, config=cfg)
+        for pdl, follows in ((True, True), (True, False), (False, True)):
+            down(h, w2, rows, config=dataclasses.replace(cfg, pdl=pdl), follows_gate_up=follows)
+    assert kernels == [(True, trigger, False), (False, wait, True), (False, none, False), (False, none, False)]
+
     launches = []
     real = grouped_gemm._launch
     monkeypatch.setattr(grouped_gemm, "_launch", lambda *a, **kw: (launches.append(
@@ -753,30 +773,38 @@ def test_a_down_is_launched_as_its_gate_ups_dependent_where_its_config_says(monk
 
 
 # The launch table's down entries as programmatic dependents of their gate-ups (the cooperative ones also
-# claiming their tiles, from the same stream's counter as a claiming gate-up before them).
-PDL_CASES = [(fp8, cfg) for fp8 in (False, True)
+# claiming their tiles, from the same stream's counter as a claiming gate-up before them), and an fp8 down on
+# the pointer kernel; for fp8 also after a gate-up whose h is quantized after it (64-column tiles).
+_H_AFTER = GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+PDL_CASES = [(fp8, None, cfg) for fp8 in (False, True)
              for cfg in dict.fromkeys(dataclasses.replace(c, pdl=True, claim_tiles=claim) for _, c in
                                       configs._table()[configs.table_key("down", fp8)]
                                       for claim in ((False, True) if c.warp_specialize == "cooperative" else (False,)))]
+PDL_CASES += [(True, None, dataclasses.replace(configs._table()["down_fp8"][-1][1].pointer_variant(1), pdl=True)),
+              (True, _H_AFTER, PDL_CASES[-1][2])]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8,cfg", PDL_CASES,
-                         ids=[f"{'fp8' if fp8 else 'bf16'}-{experts_tune.describe(c)}" for fp8, c in PDL_CASES])
+@pytest.mark.parametrize("fp8,up_cfg,cfg", PDL_CASES, ids=[
+    f"{'fp8' if fp8 else 'bf16'}{'-h-quantized-after' if up else ''}-{experts_tune.describe(c)}"
+    for fp8, up, c in PDL_CASES])
 @pytest.mark.parametrize("batched", [False, True])
-@pytest.mark.parametrize("counts", [[0, 1, 7, 64, 300, 129, 2, 1000], [5]])
-def test_dependent_down_matches_gpu(fp8, cfg, batched, counts):
+@pytest.mark.parametrize("counts", [[0, 1, 7, 64, 300, 129, 2, 3000], [5]])
+def test_dependent_down_matches_gpu(fp8, up_cfg, cfg, batched, counts):
     """A down launched as its gate-up's programmatic dependent (it starts while the gate-up ends and reads h
-    after it): bit for bit the outputs of the same config launched after it, over a run of batches whose h
-    lands where the batch before left its own (a down that read h early would see that one's); the gate-up
-    claiming its tiles where the down does; the pair captured into a CUDA graph."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs Hopper or later")
-    L, D, F = len(counts), 384, 256
+    after it): bit for bit the outputs of the same config launched after it. The batches are queued behind a
+    sleeping kernel, so that each pair runs back to back on the GPU, each batch's h where the last one's was
+    (a down that read h early would see that one's), while the uneven gate-up's last tiles run on a few SMs;
+    the gate-up claiming its tiles where the down does; the pair captured into a CUDA graph and replayed on
+    each batch in turn."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("programmatic dependent launch is used on Hopper")
+    L, D, F = len(counts), 1024, 256
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     row_scale = torch.rand(R, device=DEVICE)
-    up_cfg = gemm_config("gate_up", fp8=fp8, rows_hint=rows.rows_hint(R), on_gpu=True)
+    if up_cfg is None:
+        up_cfg = gemm_config("gate_up", fp8=fp8, rows_hint=rows.rows_hint(R), on_gpu=True)
     if cfg.claim_tiles and up_cfg.warp_specialize == "cooperative":
         up_cfg = dataclasses.replace(up_cfg, claim_tiles=True)
     if fp8:
@@ -784,10 +812,7 @@ def test_dependent_down_matches_gpu(fp8, cfg, batched, counts):
     else:
         w13, w2, s13, s2 = w13.bfloat16(), w2.bfloat16(), None, None
     xs = [torch.randn(R, D, device=DEVICE).bfloat16() for _ in range(6)]
-    if fp8:
-        xs = [quantize_act_ref(x) for x in xs]
-    else:
-        xs = [(x, None) for x in xs]
+    xs = [quantize_act_ref(x) if fp8 else (x, None) for x in xs]
     valid = valid_mask(rows, R)
 
     def mlp(x, x_s, down_cfg, follows):
@@ -795,17 +820,33 @@ def test_dependent_down_matches_gpu(fp8, cfg, batched, counts):
         return down(h, w2, rows, h_scale_RG=h_s, w2_scale=s2, row_scale_R=row_scale, out_dtype=torch.bfloat16,
                     config=down_cfg, follows_gate_up=follows)
 
+    def queued(calls):
+        """The calls' outputs, queued behind a sleeping kernel with no host sync between them (the first call
+        made once before, so that no compile holds the queue up)."""
+        calls[0]()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)
+        outs = [call() for call in calls]
+        torch.cuda.synchronize()
+        return [out[valid].view(torch.uint8) for out in outs]
+
     after = dataclasses.replace(cfg, pdl=False)
-    want = [mlp(x, x_s, after, False)[valid].view(torch.uint8) for x, x_s in xs]
-    got = [mlp(x, x_s, cfg, True)[valid].view(torch.uint8) for x, x_s in xs]
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(g, w), f"batch {i}"
+    want = queued([functools.partial(mlp, x, x_s, after, False) for x, x_s in xs])
+    for i, got in enumerate(queued([functools.partial(mlp, x, x_s, cfg, True) for x, x_s in xs])):
+        assert torch.equal(got, want[i]), f"batch {i}"
+    x_in, s_in = (t.clone() if t is not None else None for t in xs[0])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        in_graph = mlp(*xs[0], cfg, True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(in_graph[valid].view(torch.uint8), want[0])
+        y = mlp(x_in, s_in, cfg, True)
+
+    def replay(x, x_s):
+        x_in.copy_(x)
+        if x_s is not None:
+            s_in.copy_(x_s)
+        graph.replay()
+        return y.clone()
+    for i, got in enumerate(queued([functools.partial(replay, x, x_s) for x, x_s in xs])):
+        assert torch.equal(got, want[i]), f"replay {i}"
 
 
 def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:

@@ -54,10 +54,11 @@ class GemmConfig:
     the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
     their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
     of them (under CUDA graph capture too: `grouped_gemm_ws.tile_counter`).
-    pdl (down GEMMs, on Hopper and later): where the caller says that the gate-up which wrote h is the last
-    work queued before it (`grouped_gemm.down`'s follows_gate_up), the down launches as that gate-up's
-    programmatic dependent: its programs start on the SMs the gate-up's programs leave, build their tile
-    map meanwhile, and wait for the gate-up to end (griddepcontrol.wait) before they read h or write.
+    pdl (down GEMMs, on Hopper): where the caller says that the gate-up which wrote h is the last work
+    queued before it (`grouped_gemm.down`'s follows_gate_up), the down launches as that gate-up's
+    programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
+    their tile map meanwhile, and wait for the gate-up to end (griddepcontrol.wait) before they read h or
+    write.
     """
 
     block_m: int

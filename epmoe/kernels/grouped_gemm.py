@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F_
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups, quantize_act_ref
@@ -44,6 +43,10 @@ try:  # the warp-specialized Hopper kernel is written in Gluon, which older Trit
     from . import grouped_gemm_ws
 except ImportError:
     grouped_gemm_ws = None
+try:  # grid dependency control and the launcher's launch_pdl: triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 
 # Persistent programs per SM on the GPU; under the interpreter a few programs, so that tests exercise
@@ -316,13 +319,14 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 @functools.cache
 def _has_gdc(device_index: int) -> bool:
-    """Grid dependency control (griddepcontrol, programmatic dependent launch): Hopper and later."""
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Grid dependency control (griddepcontrol, programmatic dependent launch) is used on Hopper, with a
+    Triton that has it."""
+    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _gdc(device: torch.device, gate_up: bool, dependent: bool) -> int:
-    """A launch's grid dependency control: on a GPU that has it, a gate-up lets its dependent start early
-    (the trigger costs nothing where the next launch is not one) and a down launched as one waits."""
+    """A launch's grid dependency control: on a Hopper GPU, a gate-up lets its dependent start early (the
+    trigger costs nothing where the next launch is not one) and a down launched as one waits."""
     if device.type != "cuda" or not _has_gdc(device.index):
         return GDC_NONE.value
     return GDC_TRIGGER.value if gate_up else GDC_WAIT.value if dependent else GDC_NONE.value
@@ -345,8 +349,8 @@ def _warp_specialized(cfg: GemmConfig, a: torch.Tensor, w: torch.Tensor, out: to
 def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale, *, gate_up: bool,
             cfg: GemmConfig, a_rows: torch.Tensor | None = None, follows_gate_up: bool = False) -> None:
     """One grouped GEMM on the warp-specialized kernel where it can serve it, else the pointer kernel; a down
-    that follows its gate-up (nothing queued between) and whose config sets pdl as its programmatic
-    dependent."""
+    that follows its gate-up (`down`'s follows_gate_up) and whose config sets pdl as a programmatic dependent
+    of the kernel before it."""
     R, N = out.shape
     K = a.shape[1]
     L = rows.num_experts
@@ -371,6 +375,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
     tma_b = cfg.tma and (out_scale is None or N % cfg.block_n == 0)
     b_desc = _descriptor(w.view(-1, K), [cfg.block_n, cfg.block_k]) if tma_b else None
     grid = (min(max_tiles_m * triton.cdiv(N, cfg.block_n), _max_programs(a.device)),)
+    dependent = {"launch_pdl": True} if gdc == GDC_WAIT.value else {}  # (Tritons before 3.4 take no launch_pdl)
     _grouped_gemm_kernel[grid](
         a, a_desc, dummy if a_scale is None else a_scale, dummy if a_rows is None else a_rows,
         w, b_desc, w_scale if fp8 else dummy, out,
@@ -386,7 +391,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK, GDC=gdc,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=gdc == GDC_WAIT.value)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
 
 
 def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_scale_RG: torch.Tensor | None = None,
@@ -460,10 +465,11 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
         row_scale_R: optional float32 [R], multiplies each output row in the epilogue.
         out_dtype: y's dtype (default h's dtype; required for fp8 input).
         rows_hint, config: as for `gate_up`.
-        follows_gate_up: the last work queued on the current stream is the `gate_up` that wrote h_RF (and
-            h_scale_RG), which writes nothing else this call reads. With a launch config that sets pdl (on
-            Hopper and later) the down then launches as that gate-up's programmatic dependent and starts
-            while it ends (`GemmConfig`); the result is the same either way.
+        follows_gate_up: h_RF (and h_scale_RG) come from the `gate_up` queued last on the current stream
+            (or from the quantization of its h after it), and that last kernel writes neither `rows`' index
+            nor the weights, which the down may read before it waits for that kernel to end. With a launch
+            config that sets pdl (on Hopper) the down then launches as that kernel's programmatic dependent
+            and starts while it ends (`GemmConfig`); the result is the same either way.
 
     Returns:
         y_RD [R, D] in out_dtype; rows outside the experts' rows are unspecified.

@@ -31,8 +31,8 @@ last one's loads and hands its number to the consumer in a slot beside the ring 
 block, so that the SMs that get more of the memory bandwidth take more tiles; the last program to claim past
 the end sets the counter back to zero for the next launch on its stream (`tile_counter`).
 A gate-up lets a programmatic dependent launch (a down that follows it: `Meta.gdc_wait`) start as soon as
-all of its programs have begun; the down's programs then take the SMs the gate-up's leave, build their tile
-map, and wait for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
+all of its programs have begun; the down's programs then take idle SMs and those the gate-up's leave, build
+their tile map, and wait for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
