@@ -140,7 +140,8 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
               if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")
     signature = dict(
         a_desc=f"tensordesc<{dt}{a_block},{a_layout!r}>", b_desc=f"tensordesc<{dt}{b_block},{b_layout!r}>",
-        c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr=c,
+        c_desc=c_desc, a_ptr=f"*{dt}", a_rows_ptr="*i32", a_scale_ptr="*fp32", b_ptr=f"*{dt}", b_scale_ptr="*fp32",
+        c_ptr=c,
         c_scale_ptr="*fp32", row_scale_ptr="*fp32",
         index_ptr="*i32", counter_ptr="*i32", L="i32", SLOT_ROWS="i32", R="i32", N="i32", K="i32", stride_bsl="i32",
         stride_bsn="i32",
@@ -151,7 +152,8 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
                    block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
                    gdc_wait=cfg.pdl)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
-                          ["a_ptr", "a_scale_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"], cfg.num_warps, 1,
+                          ["a_ptr", "a_scale_ptr", "b_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"],
+                          cfg.num_warps, 1,
                           maxnreg=ws._MAX_REGISTERS, source=GluonASTSource)
 
 
@@ -243,6 +245,10 @@ def run_job(job) -> tuple[str, list[str]]:
                               ("griddepcontrol.wait", partitions if dependent else 0)):
         if (count := kernel.asm["ptx"].count(instruction)) != want:
             failures.append(f"{tag}: {count} {instruction}, {want} wanted")
+    # a dependent warp-specialized down with static tiles prefetches its first tiles' weights before its wait
+    prefetches = job[0] == "ws" and dependent and not cfg.claim_tiles and cfg.warp_specialize != "split"
+    if ("prefetch.global.L2" in kernel.asm["ptx"]) != prefetches:
+        failures.append(f"{tag}: L2 prefetch {'missing' if prefetches else 'present'}")
     if shared > SHARED_BYTES:
         failures.append(f"{tag}: {shared} B of shared memory")
     if spills and check_spills:

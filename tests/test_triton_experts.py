@@ -916,6 +916,7 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
     assert meta.claim == claim and meta.gdc_wait == dependent
+    assert bound["b_ptr"].data_ptr() == bound["b_desc"].base.data_ptr()  # (read by a dependent's L2 prefetch)
     assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claim else offsets)
     assert not claim or bound["counter_ptr"].tolist() == [0, 0]
     # 16-bit outputs of the cooperative and split schedules store full tiles by TMA where the buffer fits (not

@@ -57,8 +57,8 @@ class GemmConfig:
     pdl (down GEMMs, on Hopper): where the caller says that the gate-up which wrote h is the last work
     queued before it (`grouped_gemm.down`'s follows_gate_up), the down launches as that gate-up's
     programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
-    their tile map meanwhile, and wait for the gate-up to end (griddepcontrol.wait) before they read h or
-    write.
+    their tile map (and prefetch their first tiles' weights into L2) meanwhile, and wait for the gate-up to
+    end (griddepcontrol.wait) before they read h or write.
     """
 
     block_m: int

@@ -32,7 +32,8 @@ block, so that the SMs that get more of the memory bandwidth take more tiles; th
 the end sets the counter back to zero for the next launch on its stream (`tile_counter`).
 A gate-up lets a programmatic dependent launch (a down that follows it: `Meta.gdc_wait`) start as soon as
 all of its programs have begun; the down's programs then take idle SMs and those the gate-up's leave, build
-their tile map, and wait for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
+their tile map, prefetch their first tiles' weights into L2 (static tiles, not the split schedule), and wait
+for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
@@ -195,6 +196,27 @@ def _gdc_wait(META: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_weights(tile, total, tile_map, args, META: gl.constexpr):
+    """Prefetch the weight rows tile multiplies (all of K; gate-up: also the up rows) into L2, a 128-byte
+    line a thread at a time (a dependent launch's loader, before its wait: the weights are not the kernel
+    before's output)."""
+    L, N, K, b_ptr = args[6], args[9], args[10], args[18]
+    # No branch on tile < total (a branch here led the compiler to copy the wait after it into both paths):
+    # past the last tile, no lines.
+    _, b_row, _ = _tile_source(gl.minimum(tile, total - 1), tile_map, args, META)
+    HALVES: gl.constexpr = 2 if META.gate_up else 1
+    LINE: gl.constexpr = 128 * 8 // b_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    rows = b_row + gl.arange(0, META.block_n, layout=layout)
+    last = L * HALVES * N - 1  # (a last column tile past N: rows of the next expert, or none past B)
+    for half in gl.static_range(HALVES):
+        starts = b_ptr + gl.maximum(gl.minimum(rows + half * N, last), 0).to(gl.int64) * K
+        for k0 in range(0, K * (tile < total).to(gl.int32), LINE):
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [starts + k0], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+
+@gluon.jit
 def _k_steps(K, META: gl.constexpr):
     """Ring steps per tile: the K blocks, rounded up to a multiple of `Meta.pipe_blocks` for the pipelined
     fp8 loop (its padding steps reload the last block and weigh it zero)."""
@@ -326,7 +348,6 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     """The loader: the K blocks of this program's tiles into the ring, in ring order."""
     index_ptr, L, SLOT_ROWS, N, K, counter_ptr = args[5], args[6], args[7], args[9], args[10], args[17]
     e, base, count, tiles, tiles_end = _tile_map(index_ptr, L, SLOT_ROWS, META)
-    _gdc_wait(META)
     num_tiles_m = gl.sum(tiles, 0)
     num_tiles_n = gl.cdiv(N, META.block_n)
     total = num_tiles_m * num_tiles_n
@@ -335,6 +356,15 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
     k_tiles = gl.cdiv(K, META.block_k)
     steps = _k_steps(K, META)
     tile_map = (e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n)
+    if META.gdc_wait:
+        # this program's first tiles' weights into L2 while the kernel before ends (not the claimed tiles,
+        # unknown until after the wait; not the split schedule's, whose 48-register loader then spills 8 B
+        # under triton 3.6 with the fp8 down's 4 K blocks an iteration)
+        if not META.claim and META.schedule != 2:
+            _prefetch_weights(pid, total, tile_map, args, META)
+            if META.schedule == 1:
+                _prefetch_weights(pid + nprog, total, tile_map, args, META)
+        _gdc_wait(META)
     if META.schedule == 1:
         n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
         for p in range(gl.cdiv(n_mine, 2)):
@@ -508,7 +538,7 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ...
     (out: C's TMA descriptor and the shared buffer of its tiles, with `Meta.tma_store`)."""
     (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K, stride_bsl,
-     stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr) = args
+     stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr, b_ptr) = args
     W: gl.constexpr = gl.num_warps()
     BITS: gl.constexpr = ring[0].dtype.primitive_bitwidth
     BLOCK_M: gl.constexpr = META.block_m
@@ -599,9 +629,9 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
 
 # Sizes that do not shape the code are not specialized on (one binary serves every expert count).
 @gluon.jit(do_not_specialize=["L", "SLOT_ROWS", "R", "stride_bsl", "stride_bsn", "G_A", "G_C"])
-def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr,
-                    row_scale_ptr, index_ptr, counter_ptr, L, SLOT_ROWS, R, N, K, stride_bsl, stride_bsn, G_A, G_C,
-                    META: gl.constexpr):
+def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
+                    c_scale_ptr, row_scale_ptr, index_ptr, counter_ptr, L, SLOT_ROWS, R, N, K, stride_bsl,
+                    stride_bsn, G_A, G_C, META: gl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (gate-up: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of
     B[l]), as `grouped_gemm._grouped_gemm_kernel`: A through a_desc ([R, K], block [block_m, block_k]),
     or with `Meta.gather` A [S, K] at a_ptr, row i of the batch A[a_rows[i]] (a_desc then only gives the
@@ -647,7 +677,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_sc
     else:
         out = (c_desc, a_bufs)  # (unread)
     args = (a_scale_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr, index_ptr, L, SLOT_ROWS, R, N, K,
-            stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr)
+            stride_bsl, stride_bsn, G_A, G_C, a_ptr, a_rows_ptr, counter_ptr, b_ptr)
     loader_regs: gl.constexpr = (GATHER_LOADER_REGS if META.gather and not META.fp8 else
                                  SPLIT_LOADER_REGS if META.schedule == 2 and not META.gather else LOADER_REGS)
     if META.schedule == 0:
@@ -778,7 +808,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
                 gdc_wait=dependent)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
-        a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy,
+        a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy, w,
         w_scale if fp8 else dummy, out,
         out_scale if out_scale is not None else dummy, row_scale if row_scale is not None else dummy, index_L,
         counter if cfg.claim_tiles else index_L, L, slot_rows, R, N, K, w_scale.stride(0) if fp8 else 0,
