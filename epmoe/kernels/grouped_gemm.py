@@ -127,7 +127,7 @@ def _grouped_gemm_kernel(
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
     at a time, as `quantize_act` would (same scales and rounding); rows past the counts are never read.
-    GDC (grid dependency control, Hopper and later; `_gdc`): GDC_TRIGGER lets a programmatic dependent
+    GDC (grid dependency control, on Hopper; `_gdc`): GDC_TRIGGER lets a programmatic dependent
     launch start as soon as every program has begun; GDC_WAIT (the kernel launched as one) builds the tile
     map, then waits for the grid before it to end before it reads A or writes.
     """

@@ -190,30 +190,28 @@ def _tile_map(index_ptr, L, SLOT_ROWS, META: gl.constexpr):
 @gluon.jit
 def _gdc_wait(META: gl.constexpr):
     """A programmatic dependent launch (`Meta.gdc_wait`): wait until the grid before it has ended and its
-    writes are visible (griddepcontrol.wait); before it a partition reads only the tile map's counts."""
+    writes are visible (griddepcontrol.wait); before it a partition reads only the tile map's counts (and the
+    loader prefetches weights)."""
     if META.gdc_wait:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _prefetch_weights(tile, total, tile_map, args, META: gl.constexpr):
-    """Prefetch the weight rows tile multiplies (all of K; gate-up: also the up rows) into L2, a 128-byte
-    line a thread at a time (a dependent launch's loader, before its wait: the weights are not the kernel
-    before's output)."""
+    """Prefetch the weight rows a down's tile multiplies (all of K) into L2, a 128-byte line a thread at a
+    time (a dependent launch's loader, before its wait: the weights are not the kernel before's output)."""
     L, N, K, b_ptr = args[6], args[9], args[10], args[18]
     # No branch on tile < total (a branch here led the compiler to copy the wait after it into both paths):
     # past the last tile, no lines.
     _, b_row, _ = _tile_source(gl.minimum(tile, total - 1), tile_map, args, META)
-    HALVES: gl.constexpr = 2 if META.gate_up else 1
     LINE: gl.constexpr = 128 * 8 // b_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     rows = b_row + gl.arange(0, META.block_n, layout=layout)
-    last = L * HALVES * N - 1  # (a last column tile past N: rows of the next expert, or none past B)
-    for half in gl.static_range(HALVES):
-        starts = b_ptr + gl.maximum(gl.minimum(rows + half * N, last), 0).to(gl.int64) * K
-        for k0 in range(0, K * (tile < total).to(gl.int32), LINE):
-            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [starts + k0], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+    # (a last column tile past N: rows of the next expert, or none past B)
+    starts = b_ptr + gl.maximum(gl.minimum(rows, L * N - 1), 0).to(gl.int64) * K
+    for k0 in range(0, K * (tile < total).to(gl.int32), LINE):
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [starts + k0], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -651,6 +649,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_pt
     gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
     gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES),
                      "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages")
+    gl.static_assert(not (META.gdc_wait and META.gate_up), "a programmatic dependent launch is a down")
     if META.gate_up:  # a programmatic dependent launch (the down) may start once every program has begun
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
