@@ -32,7 +32,8 @@ block, so that the SMs that get more of the memory bandwidth take more tiles; th
 the end sets the counter back to zero for the next launch on its stream (`tile_counter`).
 A gate-up lets a programmatic dependent launch (a down that follows it: `Meta.gdc_wait`) start as soon as
 all of its programs have begun; the down's programs then take idle SMs and those the gate-up's leave, build
-their tile map, prefetch their first tiles' weights into L2 (static tiles, not the split schedule), and wait
+their tile map, prefetch their first tiles' weights into L2 (static tiles, not the split schedule; the leading
+K columns, `PREFETCH_L2_BYTES` in all), and wait
 for the gate-up to end (griddepcontrol.wait) before they claim a tile, load or store.
 The epilogue of a tile whose rows all belong to its expert goes through shared memory and one TMA store
 (`Meta.tma_store`: 16-bit outputs of the cooperative and split schedules where the buffer fits beside the ring;
@@ -93,6 +94,12 @@ _MAX_REGISTERS = (65536 // (12 * 32)) // 8 * 8
 MAX_EXPERTS = 256
 _MIN_EXPERT_LANES = 128
 _SCALE_GROUP = gl.constexpr(FP8_BLOCK)
+# A dependent down's L2 prefetch, all of its programs together, reads at most this many bytes of weights
+# (the leading K columns of each program's first tiles): about a quarter of the H200's 60 MB L2. Uncapped,
+# Mixtral-8x7B's fp8 decode down (K 14336, 256 tiles at up to 64 rows per expert) prefetched all 470 MB of
+# its weights while the gate-up streamed its own; that down ran 8-10% slower as a dependent launch than
+# after a plain one (one H200, 2026-12-05).
+PREFETCH_L2_BYTES = gl.constexpr(16 << 20)
 MAX_CLAIM_STAGES = gl.constexpr(CLAIM_MAX_STAGES)  # a launch with claimed tiles: its tile-number slots
 PIPE_BLOCKS = (4, 3, 2)  # K blocks per iteration the pipelined fp8 down loop may take (`pipe_blocks`)
 
@@ -197,10 +204,13 @@ def _gdc_wait(META: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_weights(tile, total, tile_map, args, META: gl.constexpr):
-    """Prefetch the weight rows a down's tile multiplies (all of K) into L2, a 128-byte line a thread at a
+def _prefetch_weights(tile, total, tile_map, args, META: gl.constexpr, TILES: gl.constexpr):
+    """Prefetch the weight rows a down's tile multiplies into L2, their leading K columns up to this program's
+    share of `PREFETCH_L2_BYTES` (TILES: the tiles each program prefetches), a 128-byte line a thread at a
     time (a dependent launch's loader, before its wait: the weights are not the kernel before's output)."""
     L, N, K, b_ptr = args[6], args[9], args[10], args[18]
+    ELEMENT_BYTES: gl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth // 8
+    share = PREFETCH_L2_BYTES // (gl.num_programs(0) * TILES * META.block_n * ELEMENT_BYTES)  # K columns
     # No branch on tile < total (a branch here led the compiler to copy the wait after it into both paths):
     # past the last tile, no lines.
     _, b_row, _ = _tile_source(gl.minimum(tile, total - 1), tile_map, args, META)
@@ -209,7 +219,7 @@ def _prefetch_weights(tile, total, tile_map, args, META: gl.constexpr):
     rows = b_row + gl.arange(0, META.block_n, layout=layout)
     # (a last column tile past N: rows of the next expert, or none past B)
     starts = b_ptr + gl.maximum(gl.minimum(rows, L * N - 1), 0).to(gl.int64) * K
-    for k0 in range(0, K * (tile < total).to(gl.int32), LINE):
+    for k0 in range(0, gl.minimum(K, share) * (tile < total).to(gl.int32), LINE):
         gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [starts + k0], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -359,9 +369,11 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
         # unknown until after the wait; not the split schedule's, whose 48-register loader then spills 8 B
         # under triton 3.6 with the fp8 down's 4 K blocks an iteration)
         if not META.claim and META.schedule != 2:
-            _prefetch_weights(pid, total, tile_map, args, META)
             if META.schedule == 1:
-                _prefetch_weights(pid + nprog, total, tile_map, args, META)
+                _prefetch_weights(pid, total, tile_map, args, META, 2)
+                _prefetch_weights(pid + nprog, total, tile_map, args, META, 2)
+            else:
+                _prefetch_weights(pid, total, tile_map, args, META, 1)
         _gdc_wait(META)
     if META.schedule == 1:
         n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
