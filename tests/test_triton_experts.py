@@ -1021,7 +1021,8 @@ def test_tuner_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
 def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
     """The tuner's table from synthetic times: per (GEMM, precision, bucket) the candidate whose time over
     the point's best, summed over the bucket's points, is smallest (one that is fastest at one point but
-    missing or slow at another loses); buckets below 128 rows and untuned keys stay as committed."""
+    missing or slow at another loses), keeping the committed bucket's pdl; buckets below 128 rows and untuned
+    keys stay as committed."""
     a, b, c = (GemmConfig(block_m=64, block_n=n, block_k=64).to_dict() for n in (32, 64, 128))
 
     def point(op, prec, bucket, times, indexed=False):
@@ -1042,7 +1043,9 @@ def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
         assert [bound for bound, _ in buckets] == [bound for bound, _ in committed[key]]
         for (bound, cfg), (_, old) in zip(buckets, committed[key]):
             won = c if key == "gate_up_fp8_indexed" else b if not key.endswith("_indexed") else None
-            assert cfg == (won if bound >= 128 and won else old.to_dict())
+            assert cfg == ({**won, **({"pdl": True} if old.pdl else {})} if bound >= 128 and won else old.to_dict())
+    # (the committed downs set pdl, so that the tuned downs above had it to keep)
+    assert all(cfg.get("pdl") for _, cfg in table["down_fp8"]) and all(cfg.get("pdl") for _, cfg in table["down_bf16"])
     assert any(bound < 128 for bound, _ in table["gate_up_fp8_indexed"])  # a hand-set indexed bucket stays
     assert set(table) == set(committed)
 

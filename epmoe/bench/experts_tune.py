@@ -353,13 +353,16 @@ def choose(points: list[dict]) -> dict:
 
 def build_table(points: list[dict], comment: str) -> dict:
     """The committed table with the buckets >= 128 replaced by the winners (and _indexed entries; their
-    hand-set buckets below 128 stay)."""
+    hand-set buckets below 128 stay). A winner keeps the committed bucket's `pdl`: the tuner times a down
+    alone, where a dependent launch changes nothing."""
     base = configs_mod._table()
     winners = choose(points)
     tables = {}
     for key, buckets in base.items():
         kept = [[bound, cfg.to_dict()] for bound, cfg in buckets if bound < BUCKETS[0]]
-        tuned = [[bound, winners[(key, bound)][0]] for bound in BUCKETS if (key, bound) in winners]
+        pdl = {bound for bound, cfg in buckets if cfg.pdl}
+        tuned = [[bound, {**winners[(key, bound)][0], **({"pdl": True} if bound in pdl else {})}]
+                 for bound in BUCKETS if (key, bound) in winners]
         fallback = [[bound, cfg.to_dict()] for bound, cfg in buckets if bound >= BUCKETS[0]]
         tables[key] = kept + (tuned if len(tuned) == len(BUCKETS) else fallback)
     for op in configs_mod.OPS:
@@ -512,7 +515,9 @@ def _comment(result: dict) -> str:
             f"candidate of "
             f"`python -m epmoe.bench.experts --tune` on {result['device']}, torch {result['torch']}, triton "
             f"{result['triton']} (summed slowdown over the bucket's model shapes; see epmoe/bench/experts_tune.py). "
-            f"Regenerate with `python -m epmoe.bench.experts --tune --out DIR` and copy DIR/configs.json here.")
+            f"Regenerate with `python -m epmoe.bench.experts --tune --out DIR` and copy DIR/configs.json here. "
+            f"Downs keep the committed pdl (a programmatic dependent launch behind the gate-up), which the tuner, "
+            f"timing a down alone, cannot weigh.")
 
 
 def table_from(path: str, out: str | None) -> dict:
