@@ -178,9 +178,12 @@ def ws_jobs() -> list:
         if cfg.warp_specialize == "cooperative" and (op, fp8, claimed := dataclasses.replace(
                 cfg, claim_tiles=True), gather) not in out:
             out.append((op, fp8, claimed, gather))
-    # the downs as programmatic dependents of their gate-ups
-    out += [(op, fp8, dataclasses.replace(cfg, pdl=True), gather) for op, fp8, cfg, gather in list(out)
-            if op == "down" and not cfg.pdl]
+    # every down both launched plainly and as the programmatic dependent of its gate-up (a table entry sets
+    # pdl, and a down that does not follow its gate-up launches plainly with it)
+    for op, fp8, cfg, gather in list(out):
+        for pdl in ((False, True) if op == "down" else ()):
+            if (job := (op, fp8, dataclasses.replace(cfg, pdl=pdl), gather)) not in out:
+                out.append(job)
     return [("ws", op, fp8, cfg.to_dict(), gather, u) for op, fp8, cfg, gather in out
             for u in (sorted({ws.pipe_blocks(k, op == "gate_up") for k in range(1, 13)}) if fp8 and cfg.pipe_mma
                       else (0, ))]
