@@ -289,9 +289,15 @@ def refuse_other_builds(name: str, rank: int, every_R2: list[list[int]]) -> None
 
 
 def group_rank_world(group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[int, int]:
-    """(rank, world size) of a process group, a WorkspaceBackend (an EmulatedGroup), or None (a single rank)."""
+    """(rank, world size) of a process group, a WorkspaceBackend (an EmulatedGroup), or None (a single rank).
+    Raises ValueError on a process outside `group` (torch gives it rank -1, which would place its experts at a
+    negative offset)."""
     if group is None:
         return 0, 1
     if isinstance(group, WorkspaceBackend):
         return group.rank, group.world_size
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group; "
+                         "build the layer only on the group's ranks")
+    return rank, dist.get_world_size(group)

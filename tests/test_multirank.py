@@ -36,7 +36,20 @@ def _cases_in_subgroups(ctx, sizes: tuple[int, ...], names: tuple[str, ...]) -> 
         if ctx.rank < size:
             failures += [f"world {size}: {f}" for case in moe_cases.CASES for name in names
                          for f in moe_cases.run_case(case, name, group, ctx.device)]
+        else:
+            failures += [f"world {size}: rank {ctx.rank} outside the group: {f}" for f in _refused_outside(group)]
     return failures
+
+
+def _refused_outside(group) -> list[str]:
+    """A layer built on a process outside `group` is refused, naming it (torch gives that process rank -1)."""
+    import epmoe
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8, dtype=torch.float32)
+    try:
+        epmoe.FusedMoE(cfg, group=group, device="cpu")
+    except ValueError as e:
+        return [] if "not a member of the process group" in str(e) else [f"refused with {e}"]
+    return ["built"]
 
 
 @pytest.mark.parametrize("sizes", [(4, 3), (7, 6, 5)])
