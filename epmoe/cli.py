@@ -161,6 +161,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if unknown:
         fail(parser, f"unknown case(s) {unknown}; cases: {', '.join(c.name for c in CASES)}")
     world_size = launch_world_size(parser, args.device, args.nproc)
+    counts = sorted({c.cfg.num_experts for c in CASES if c.name in names})
+    if all(e % world_size for e in counts):
+        fail(parser, f"no case can run on {world_size} ranks: the cases' expert counts {counts} do not divide over "
+                     "them (--nproc 1, 2, 4 or 8 runs every case)")
     return run_ranks(check_rank, args.device, world_size, (args.seed, tuple(names)))
 
 
