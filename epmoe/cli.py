@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import os
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -163,8 +164,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     world_size = launch_world_size(parser, args.device, args.nproc)
     counts = sorted({c.cfg.num_experts for c in CASES if c.name in names})
     if all(e % world_size for e in counts):
+        every = math.gcd(*counts)
         fail(parser, f"no case can run on {world_size} ranks: the cases' expert counts {counts} do not divide over "
-                     "them (--nproc 1, 2, 4 or 8 runs every case)")
+                     f"them (--nproc {', '.join(str(n) for n in range(1, every + 1) if every % n == 0)} runs every "
+                     "case chosen)")
     return run_ranks(check_rank, args.device, world_size, (args.seed, tuple(names)))
 
 

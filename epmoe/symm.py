@@ -290,8 +290,7 @@ def refuse_other_builds(name: str, rank: int, every_R2: list[list[int]]) -> None
 
 def group_rank_world(group: dist.ProcessGroup | WorkspaceBackend | None) -> tuple[int, int]:
     """(rank, world size) of a process group, a WorkspaceBackend (an EmulatedGroup), or None (a single rank).
-    Raises ValueError on a process outside `group` (torch gives it rank -1, which would place its experts at a
-    negative offset)."""
+    Raises ValueError on a process outside `group` (torch gives it rank and world size -1)."""
     if group is None:
         return 0, 1
     if isinstance(group, WorkspaceBackend):

@@ -47,9 +47,9 @@ def _exit_code(argv) -> int:
     _CUDA_ERROR,
     (["check", "--cases", "one_expert,nope"], "unknown case(s) ['nope']"),
     (["check", "--device", "cpu", "--nproc", "5"],
-     "no case can run on 5 ranks: the cases' expert counts [8, 16] do not divide over them"),
+     "no case can run on 5 ranks: the cases' expert counts [8, 16] do not divide over them (--nproc 1, 2, 4, 8 runs"),
     (["check", "--device", "cpu", "--nproc", "16", "--cases", "one_expert"],
-     "no case can run on 16 ranks: the cases' expert counts [8] do not divide over them"),
+     "no case can run on 16 ranks: the cases' expert counts [8] do not divide over them (--nproc 1, 2, 4, 8 runs"),
     (["bench", "layer", "--device", "cpu", "--experts", "nope"], "unknown experts 'nope'"),
     (["bench", "layer", "--device", "cpu", "-K", "17"], "MoEConfig.top_k=17 exceeds num_experts=16"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
