@@ -74,24 +74,37 @@ def wgmma_serialized(kernel) -> bool:
     return "C7514" in log
 
 
-def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None,
-                    dependent: bool = False):
-    """The pointer kernel as the launcher runs it on Hopper for rows-per-expert bucket `bound`: batched up
-    to 64 rows, contiguous above (gate-up: through a row index, with the `_indexed` entry; gather: through
-    a row index at any bound); a warp-specialized entry's `pointer_variant` (which serves fp32 and rows read
-    through an index); a gate-up lets its dependent start early, a dependent down waits for it."""
+def table_gpus() -> list[str]:
+    """One GPU name per committed launch table: the tables whose configs are compiled."""
     from epmoe.kernels import configs
+    return sorted({path: name for name, path in sorted(configs.device_tables().items())}.values())
+
+
+def _pointer_config(op: str, dtype: str, bound: int, gather: bool | None, gpu: str):
+    """(config, gather) the launcher takes on the GPU named `gpu` for rows-per-expert bucket `bound`: batched
+    up to 64 rows, contiguous above (gate-up: through a row index, with the `_indexed` entry; gather: through
+    a row index at any bound); a warp-specialized entry's `pointer_variant` (which serves fp32 and rows read
+    through an index)."""
+    from epmoe.kernels import configs
+    fp8 = dtype == "fp8e4nv"
+    gather = op == "gate_up" and bound > 64 if gather is None else gather
+    element_size = 4 if dtype == "fp32" else 2
+    if gather and bound <= configs.HAND_SET_ROWS:  # an `_indexed` table's own hand-set bucket
+        cfg = next(c for b, c in configs._table(gpu=gpu)[configs.table_key(op, fp8, indexed=True)] if bound <= b)
+    else:
+        cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, gpu=gpu, element_size=element_size,
+                                  indexed=gather)
+    return cfg.pointer_variant(1 if fp8 else element_size), gather
+
+
+def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None,
+                    dependent: bool = False, gpu: str = ""):
+    """The pointer kernel as the launcher runs it on Hopper (`_pointer_config`); a gate-up lets its dependent
+    start early, a dependent down waits for it."""
     from epmoe.kernels.grouped_gemm import GDC_NONE, GDC_TRIGGER, GDC_WAIT, _grouped_gemm_kernel
     fp8 = dtype == "fp8e4nv"
     gate = op == "gate_up"
-    gather = gate and bound > 64 if gather is None else gather
-    element_size = 4 if dtype == "fp32" else 2
-    if gather and bound <= configs.HAND_SET_ROWS:  # an `_indexed` table's own hand-set bucket
-        cfg = next(c for b, c in configs._table()[configs.table_key(op, fp8, indexed=True)] if bound <= b)
-    else:
-        cfg = configs.gemm_config(op, fp8=fp8, rows_hint=bound, on_gpu=True, element_size=element_size,
-                                  indexed=gather)
-    cfg = cfg.pointer_variant(1 if fp8 else element_size)
+    cfg, gather = _pointer_config(op, dtype, bound, gather, gpu)
     quant_out = gate and fp8 and cfg.block_n == 128
     a = "*bf16" if quant_a else f"*{dtype}"
     c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
@@ -167,12 +180,13 @@ def ws_jobs() -> list:
     out = [(op, fp8, cfg, False) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
     out += [("gate_up", fp8, cfg, True) for fp8, cands in INDEXED_CANDIDATES.items() for cfg in cands
             if cfg.warp_specialize]
-    for op in configs.OPS:
-        for fp8 in (False, True):
-            for indexed in ((False, True) if op == "gate_up" else (False,)):
-                for _, cfg in configs._table()[configs.table_key(op, fp8, indexed)]:
-                    if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
-                        out.append((op, fp8, cfg, indexed))
+    for table in (configs._table(gpu=gpu) for gpu in table_gpus()):
+        for op in configs.OPS:
+            for fp8 in (False, True):
+                for indexed in ((False, True) if op == "gate_up" else (False,)):
+                    for _, cfg in table[configs.table_key(op, fp8, indexed)]:
+                        if cfg.warp_specialize and (op, fp8, cfg, indexed) not in out:
+                            out.append((op, fp8, cfg, indexed))
     # the cooperative entries with claimed tiles, as tests/test_triton_experts.py runs them
     for op, fp8, cfg, gather in list(out):
         if cfg.warp_specialize == "cooperative" and (op, fp8, claimed := dataclasses.replace(
@@ -197,20 +211,35 @@ MEASURED_SPILLS_B = {("gate_up", "fp8e4nv", (128, 128, 128, 8, 3)): 24}
 
 
 def pointer_jobs() -> list:
+    """("pointer", op, dtype, bound, quant_a, gather, dependent, gpu) of every pointer-kernel launch of every
+    committed table, once per distinct kernel."""
+    jobs = []
+    for gpu in table_gpus():
+        jobs += [job + (gpu,) for job in _pointer_jobs(gpu)]
+    kernels = {}
+    for job in jobs:
+        _, op, dtype, bound, quant_a, gather, dependent, gpu = job
+        cfg, gathered = _pointer_config(op, dtype, bound, gather, gpu)
+        kernels.setdefault((op, dtype, cfg, quant_a, gathered, bound <= 64 and not gathered, dependent), job)
+    return list(kernels.values())
+
+
+def _pointer_jobs(gpu: str) -> list:
     from epmoe.kernels import configs
+    table = configs._table(gpu=gpu)
     jobs = [("pointer", op, dtype, bound, False, None, False) for op in configs.OPS
             for dtype in ("bf16", "fp32", "fp8e4nv")
-            for bound, _ in configs._table()[configs.table_key(op, dtype == "fp8e4nv")]]
+            for bound, _ in table[configs.table_key(op, dtype == "fp8e4nv")]]
     # bf16 x quantized inside the fp8 gate-up kernel (batched layout, 128-deep K blocks; pointer entries only:
     # with a warp-specialized entry `gate_up` quantizes x first)
     # the downs as programmatic dependents of their gate-ups (`GemmConfig.pdl`)
     jobs += [job[:-1] + (True, ) for job in jobs if job[1] == "down" and job[2] != "fp32"]
     jobs += [("pointer", "gate_up", "fp8e4nv", bound, True, None, False)
-             for bound, cfg in configs._table()[configs.table_key("gate_up", True)]
+             for bound, cfg in table[configs.table_key("gate_up", True)]
              if bound <= configs.HAND_SET_ROWS and cfg.block_k == 128 and cfg.warp_specialize is None]
     # the `_indexed` tables' own hand-set pointer entries, reading rows through the index
     jobs += [("pointer", "gate_up", dtype, bound, False, True, False) for dtype in ("bf16", "fp8e4nv")
-             for bound, cfg in configs._table().get(configs.table_key("gate_up", dtype == "fp8e4nv", True), ())
+             for bound, cfg in table.get(configs.table_key("gate_up", dtype == "fp8e4nv", True), ())
              if bound <= configs.HAND_SET_ROWS and cfg.warp_specialize is None]
     return jobs
 
@@ -230,8 +259,8 @@ def run_job(job) -> tuple[str, list[str]]:
         check_spills = True
         dependent = cfg.pdl
     else:
-        _, op, dtype, bound, quant_a, gather, dependent = job
-        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather, dependent)
+        _, op, dtype, bound, quant_a, gather, dependent, gpu = job
+        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather, dependent, gpu)
         tag = (f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''}{' gather' if gather else ''}"
                f"{' dependent' if dependent else ''} rows<={bound} {cfg}")
         serialized = False

@@ -69,7 +69,7 @@ def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
     assert seen == ["old", "new", "new", "old"]
     result = json.loads((tmp_path / "ab" / "ab.json").read_text())
     assert [r["old_over_new"] for r in result["rows"]] == [2.0, 2.0]
-    assert result["tables"]["new"] == str(configs.TABLE_PATH.resolve())
+    assert result["tables"]["new"] == str(configs.table_path().resolve())  # the table for this GPU
     assert "q t=16 triton_fp8" in capsys.readouterr().out
 
 

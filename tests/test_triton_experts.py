@@ -1037,8 +1037,10 @@ def test_tuner_picks_the_smallest_summed_slowdown_and_keeps_decode_buckets():
                            point(key, prec, bucket, [(a, 2.0), (b, 1.0), (c, 1.0)])]  # a slow
     points.append(point("gate_up", "bf16", 128, [(c, 1.0)], indexed=True))  # one bucket: not enough
     points += [point("gate_up", "fp8", bucket, [(a, 1.0), (c, 0.9)], indexed=True) for bucket in experts_tune.BUCKETS]
-    table = experts_tune.build_table(points, "t")["tables"]
-    committed = configs._table()
+    built = experts_tune.build_table(points, "t", "NVIDIA H200")
+    assert built["devices"] == ["NVIDIA H200"]  # the GPU it was tuned on, whose table it starts from
+    table = built["tables"]
+    committed = configs._table(gpu="NVIDIA H200")
     for key, buckets in table.items():
         assert [bound for bound, _ in buckets] == [bound for bound, _ in committed[key]]
         for (bound, cfg), (_, old) in zip(buckets, committed[key]):
@@ -1172,6 +1174,47 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
     configs._in_use.cache_clear()
     assert configs.table_path() == configs.TABLE_PATH
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == want
+
+
+def test_each_gpu_launches_with_the_committed_table_that_lists_it(tmp_path, monkeypatch):
+    """A launch on a GPU takes the committed table whose `devices` list the GPU's name, else the default
+    (configs.json, which lists the H200 it was tuned on); EPMOE_GEMM_TABLE serves every GPU in their place;
+    two tables listing one GPU, or a malformed list, are refused with the files' names."""
+    committed = configs.device_tables()
+    assert committed["NVIDIA H200"] == configs.TABLE_PATH
+    for name, path in committed.items():  # every committed table serves every launch
+        assert configs.table_path(name) == path and configs._table(gpu=name) == configs._table(path)
+    assert sorted(configs.TABLE_PATH.parent.glob(configs.TABLE_GLOB)) == sorted(set(committed.values()))
+    assert configs.table_path("a GPU no table lists") == configs.TABLE_PATH
+
+    for cached in ("_in_use", "device_tables"):  # this test's own caches
+        monkeypatch.setattr(configs, cached, functools.cache(getattr(configs, cached).__wrapped__))
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
+    default = {key: [[b, c.to_dict()] for b, c in buckets]
+               for key, buckets in configs._table(configs.TABLE_PATH).items()}
+    mine = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    (tmp_path / "configs.json").write_text(json.dumps({"comment": "x", "devices": ["GPU A"], "tables": default}))
+    mine_down = {**default, "down_bf16": [[10 ** 9, mine.to_dict()]]}
+    (tmp_path / "configs_b.json").write_text(json.dumps({"comment": "x", "devices": ["GPU B", "GPU C"],
+                                                         "tables": mine_down}))
+    (tmp_path / "other.json").write_text(json.dumps({"comment": "x", "devices": ["GPU B"], "tables": default}))
+    monkeypatch.setattr(configs, "TABLE_PATH", tmp_path / "configs.json")
+    assert configs.device_tables() == {"GPU A": tmp_path / "configs.json", "GPU B": tmp_path / "configs_b.json",
+                                       "GPU C": tmp_path / "configs_b.json"}  # (other.json is not a table name)
+    want = configs._table(configs.TABLE_PATH)["down_bf16"][-1][1]
+    for gpu, cfg in (("GPU A", want), ("GPU B", mine), ("GPU C", mine), ("GPU D", want)):
+        assert configs.gemm_config("down", fp8=False, rows_hint=4096, on_gpu=True, gpu=gpu) == cfg, gpu
+    monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / "configs.json"))
+    configs._in_use.cache_clear()
+    assert configs.gemm_config("down", fp8=False, rows_hint=4096, on_gpu=True, gpu="GPU B") == want
+    monkeypatch.delenv(configs.TABLE_ENV)
+    for name, devices, says in (("configs_c.json", ["GPU B"], "configs_b.json and .*configs_c.json both list the "
+                                 "GPU 'GPU B'"), ("configs_c.json", "GPU E", '"devices" must be a list of GPU names')):
+        (tmp_path / name).write_text(json.dumps({"comment": "x", "devices": devices, "tables": default}))
+        configs.device_tables.cache_clear()
+        configs._in_use.cache_clear()
+        with pytest.raises(ValueError, match=says):
+            configs.gemm_config("down", fp8=False, rows_hint=4096, on_gpu=True, gpu="GPU A")
 
 
 def test_auto_experts_order_by_device_and_layout():

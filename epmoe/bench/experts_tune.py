@@ -18,7 +18,9 @@ the committed entry first) is
 The winner of a bucket has the smallest sum over its points of time / the point's best time. Gate-ups
 through a row index (`_indexed` entries: the warp-specialized kernel loading A by cp.async, and the
 pointer kernel) are swept the same way over `INDEXED_CANDIDATES`. Buckets up to 64 rows (decode,
-weight-bandwidth bound; `scripts/decode_sweep.py` sweeps them on routed rows) keep the committed entries. Writes OUT/configs.json (copy it to epmoe/kernels/configs.json and commit) and
+weight-bandwidth bound; `scripts/decode_sweep.py` sweeps them on routed rows) keep the entries of the table in
+use on the GPU. Writes OUT/configs.json, listing the GPU it was tuned on (copy it over the committed table
+that lists that GPU, epmoe/kernels/configs*.json, or to a new file there for a new GPU, and commit) and
 OUT/experts_tune.json (every check and time, after each point), and prints a table per point last.
 A stalled point (a kernel that never returns) ends the run after --stall-s seconds (exit code 3), with
 the JSON and a configs.json from the points timed so far.
@@ -351,11 +353,12 @@ def choose(points: list[dict]) -> dict:
             for k, scores in by_key.items()}
 
 
-def build_table(points: list[dict], comment: str) -> dict:
-    """The committed table with the buckets >= 128 replaced by the winners (and _indexed entries; their
-    hand-set buckets below 128 stay). A winner keeps the committed bucket's `pdl`: the tuner times a down
-    alone, where a dependent launch changes nothing."""
-    base = configs_mod._table()
+def build_table(points: list[dict], comment: str, device: str) -> dict:
+    """The table in use on the GPU named `device` with the buckets >= 128 replaced by the winners (and _indexed
+    entries; their hand-set buckets below 128 stay), listing that GPU (`configs.device_tables`). A winner
+    keeps the committed bucket's `pdl`: the tuner times a down alone, where a dependent launch changes
+    nothing."""
+    base = configs_mod._table(gpu=device)
     winners = choose(points)
     tables = {}
     for key, buckets in base.items():
@@ -374,14 +377,15 @@ def build_table(points: list[dict], comment: str) -> dict:
                 tables[key] = hand_set + tuned
             elif key in base:
                 tables[key] = [[bound, cfg.to_dict()] for bound, cfg in base[key]]
-    return {"comment": comment, "tables": tables}
+    return {"comment": comment, "devices": [device], "tables": tables}
 
 
 def format_configs_json(table: dict) -> str:
     """configs.json text: one bucket per line, like the committed table."""
     keys = [f'    "{key}": [\n' + ",\n".join(f"      {json.dumps(bucket)}" for bucket in buckets) + "\n    ]"
             for key, buckets in table["tables"].items()]
-    return ('{\n  "comment": ' + json.dumps(table["comment"]) + ',\n  "tables": {\n' + ",\n".join(keys)
+    devices = f',\n  "devices": {json.dumps(table["devices"])}' if "devices" in table else ""
+    return ('{\n  "comment": ' + json.dumps(table["comment"]) + devices + ',\n  "tables": {\n' + ",\n".join(keys)
             + "\n  }\n}\n")
 
 
@@ -436,7 +440,7 @@ def run_tune(args, dev: torch.device) -> dict:
     def save(table: bool = False) -> None:
         result["seconds"] = time.perf_counter() - t_start
         if table:
-            result["table"] = build_table(result["points"], _comment(result))
+            result["table"] = build_table(result["points"], _comment(result), result["device"])
             if args.out:
                 (out_dir / "configs.json").write_text(format_configs_json(result["table"]))
         (out_dir / "experts_tune.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -515,7 +519,8 @@ def _comment(result: dict) -> str:
             f"candidate of "
             f"`python -m epmoe.bench.experts --tune` on {result['device']}, torch {result['torch']}, triton "
             f"{result['triton']} (summed slowdown over the bucket's model shapes; see epmoe/bench/experts_tune.py). "
-            f"Regenerate with `python -m epmoe.bench.experts --tune --out DIR` and copy DIR/configs.json here. "
+            f"Regenerate with `python -m epmoe.bench.experts --tune --out DIR` on that GPU and copy DIR/configs.json "
+            f"over the committed table that lists it (epmoe/kernels/configs*.json; a new file for a new GPU). "
             f"Downs keep the committed pdl (a programmatic dependent launch behind the gate-up), which the tuner, "
             f"timing a down alone, cannot weigh.")
 
@@ -523,7 +528,7 @@ def _comment(result: dict) -> str:
 def table_from(path: str, out: str | None) -> dict:
     """configs.json from an earlier run's experts_tune.json (no GPU needed)."""
     result = json.loads(Path(path).read_text())
-    table = build_table(result["points"], _comment(result))
+    table = build_table(result["points"], _comment(result), result["device"])
     text = format_configs_json(table)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
     python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
     python -m epmoe.bench.table_ab --old OLD.json --set down:group_m=4 experts --tokens 16
 
-NEW defaults to the checkout's table (epmoe/kernels/configs.json); with --set, NEW is OLD with one field of
-every config in the entries whose key begins with a prefix set to a value (JSON: true, 3), written to
-OUT/new.json. The bench's own arguments follow its name. `git show main:epmoe/kernels/configs.json >
+NEW defaults to the checkout's table for the GPU (epmoe/kernels/configs*.json, `configs.table_path`); with
+--set, NEW is OLD with one field of every config in the entries whose key begins with a prefix set to a
+value (JSON: true, 3), written to OUT/new.json. The bench's own arguments follow its name. `git show main:epmoe/kernels/configs.json >
 old.json` makes OLD the table on main.
 Points timed: experts, the Triton bf16 and fp8 MLPs (and the batched layout's bf16 where the bench runs
 it); moe, each epmoe row's GPU time (a row over tolerance is reported as such).
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.table_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, type=Path, help="the launch table to compare against")
     new = p.add_mutually_exclusive_group()
-    new.add_argument("--new", type=Path, default=configs.TABLE_PATH, help="the launch table to try (default: the "
-                     "checkout's)")
+    new.add_argument("--new", type=Path, help="the launch table to try (default: the checkout's table for this "
+                     "GPU, `configs.table_path`)")
     new.add_argument("--set", action="append", metavar="PREFIX:FIELD=VALUE", help="try OLD with FIELD=VALUE in "
                      "the configs of the entries whose key begins with PREFIX (repeatable)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each table")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     order = schedule(args.rounds)
     try:  # refuse a table that cannot serve every launch before any run
         configs._table(args.old.resolve())
-        new_table = derive(args.old, args.set, args.out / "new.json") if args.set else args.new
+        new_table = derive(args.old, args.set, args.out / "new.json") if args.set else args.new or configs.table_path()
         configs._table(new_table.resolve())
     except ValueError as exc:
         p.error(str(exc))

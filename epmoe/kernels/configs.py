@@ -2,9 +2,11 @@
 
 Shape letters: R rows per expert (the host's estimate, see `rows_hint`), N output columns, K reduction size.
 
-The table is data (`configs.json` beside this file), written by `python -m epmoe.bench.experts --tune`
-on the GPU and committed (or any such file named by the environment variable `EPMOE_GEMM_TABLE`); nothing is
-tuned at call time. Each table entry lists buckets
+The table is data, written by `python -m epmoe.bench.experts --tune` on the GPU and committed beside this
+file; nothing is tuned at call time. A launch on a GPU takes the committed table whose `devices` list that
+GPU's name (`torch.cuda.get_device_name`: `configs_h100.json` for "NVIDIA H100 80GB HBM3"), else the
+default `configs.json` (tuned on an H200); the environment variable `EPMOE_GEMM_TABLE` names a file that
+serves every launch of the process in their place. Each table entry lists buckets
 `[max_rows_per_expert, config]` in increasing order; the first bucket whose bound holds wins. Entries
 `<op>_<precision>_indexed` (optional) serve gate-ups that read their rows through a row index (tuned
 for it: the warp-specialized kernel's loader gathers the rows by cp.async; its buckets up to
@@ -21,8 +23,11 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TABLE_PATH = Path(__file__).with_name("configs.json")
-TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of TABLE_PATH (read once: `table_path`)
+import torch
+
+TABLE_PATH = Path(__file__).with_name("configs.json")  # the default table: GPUs that no committed table lists
+TABLE_GLOB = "configs*.json"  # the committed tables, beside TABLE_PATH
+TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of the committed ones (read once)
 OPS = ("gate_up", "down")
 # The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
 # tuner's above; an `_indexed` table's buckets up to it (if it has any) are hand-set too, and serve gathered
@@ -126,22 +131,69 @@ def table_key(op: str, fp8: bool, indexed: bool = False) -> str:
     return f"{op}_{'fp8' if fp8 else 'bf16'}" + ("_indexed" if indexed else "")
 
 
-def table_path() -> Path:
-    """The launch table in use: the file `EPMOE_GEMM_TABLE` names (a tuner's configs.json, say), else the
-    committed TABLE_PATH; read once, at the first launch (`_in_use`)."""
-    return _in_use()[0]
-
-
-def _table(path: Path | None = None) -> dict[str, list[tuple[int, GemmConfig]]]:
-    """The table at `path`, or the one in use."""
-    return _load_table(path) if path is not None else _in_use()[1]
+def gpu_name(device: torch.device) -> str | None:
+    """The name of the CUDA GPU `device` is (its index, else the current one), which picks its launch table;
+    None for other devices."""
+    if device.type != "cuda":
+        return None
+    return _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _in_use() -> tuple[Path, dict[str, list[tuple[int, GemmConfig]]]]:
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _current_gpu() -> str | None:
+    return _gpu_name(torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def table_path(gpu: str | None = None) -> Path:
+    """The launch table in use on the GPU named `gpu` (default: the current CUDA device, if any): the file
+    `EPMOE_GEMM_TABLE` names (a tuner's configs.json, say), else the committed table that lists the GPU
+    (`device_tables`), else TABLE_PATH; read once per GPU name, at the first launch (`_in_use`)."""
+    return _in_use(gpu or _current_gpu())[0]
+
+
+def _table(path: Path | None = None, gpu: str | None = None) -> dict[str, list[tuple[int, GemmConfig]]]:
+    """The table at `path`, or the one in use on the GPU named `gpu` (default: the current CUDA device)."""
+    return _load_table(path) if path is not None else _in_use(gpu or _current_gpu())[1]
+
+
+@functools.cache
+def device_tables() -> dict[str, Path]:
+    """{GPU name: committed table file tuned for it}: the `devices` the committed tables list (TABLE_GLOB
+    beside TABLE_PATH); ValueError if two tables list one GPU."""
+    out: dict[str, Path] = {}
+    for path in sorted(TABLE_PATH.parent.glob(TABLE_GLOB)):
+        for name in _load_devices(path):
+            if name in out:
+                raise ValueError(f"launch tables {out[name]} and {path} both list the GPU {name!r}")
+            out[name] = path
+    return out
+
+
+@functools.cache
+def _in_use(gpu: str | None) -> tuple[Path, dict[str, list[tuple[int, GemmConfig]]]]:
     named = os.environ.get(TABLE_ENV)
-    path = Path(named) if named else TABLE_PATH
+    path = Path(named) if named else device_tables().get(gpu, TABLE_PATH)
     return path, _load_table(path, f" (from {TABLE_ENV})" if named else "")
+
+
+def _read(path: Path, where: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_devices(path: Path) -> list[str]:
+    """The GPU names a table file lists (`"devices"`, optional); ValueError, naming the file, unless a list
+    of strings."""
+    devices = _read(path, f"launch table {path}").get("devices", [])
+    if not isinstance(devices, list) or not all(isinstance(name, str) for name in devices):
+        raise ValueError(f"launch table {path}: \"devices\" must be a list of GPU names, got {devices!r}")
+    return devices
 
 
 @functools.cache
@@ -150,10 +202,11 @@ def _load_table(path: Path, source: str = "") -> dict[str, list[tuple[int, GemmC
     `source`, where it was named), if it cannot serve every launch (a plain entry per op and precision,
     buckets in increasing order, valid configs, pdl on down entries only)."""
     where = f"launch table {path}{source}"
+    data = _read(path, where)
     try:
-        raw = json.loads(path.read_text())["tables"]
-        table = {key: [(int(bound), GemmConfig(**cfg)) for bound, cfg in buckets] for key, buckets in raw.items()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        table = {key: [(int(bound), GemmConfig(**cfg)) for bound, cfg in buckets]
+                 for key, buckets in data["tables"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from exc
     for key in (table_key(op, fp8) for op in OPS for fp8 in (False, True)):
         if not table.get(key):
@@ -176,8 +229,8 @@ def routed_rows(mean: int) -> int:
     return mean + math.isqrt(max(mean - 1, 0)) + 1
 
 
-def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_size: int = 2,
-                indexed: bool = False, scattered: bool = False) -> GemmConfig:
+def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, gpu: str | None = None,
+                element_size: int = 2, indexed: bool = False, scattered: bool = False) -> GemmConfig:
     """The launch configuration for one grouped GEMM.
 
     Args:
@@ -185,6 +238,8 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
         fp8: fp8 block-quantized operands (block_k must divide 128; block_n 128 lets gate_up emit fp8 h).
         rows_hint: estimated rows per expert (the mean N / L for the contiguous layout).
         on_gpu: False under the Triton interpreter (CPU tensors), which gets INTERPRETER_CONFIG.
+        gpu: the name of the GPU the launch runs on (`gpu_name`), whose table serves it (`table_path`);
+            default: the current CUDA device.
         element_size: bytes per unquantized operand element; float32 runs the pointer kernel with the
             16-bit tables halved along K, so that the pipeline stages still fit in shared memory.
         indexed: the activations are read through a row index (routed rows, scattered too): the table's
@@ -199,7 +254,7 @@ def gemm_config(op: str, *, fp8: bool, rows_hint: int, on_gpu: bool, element_siz
     key = table_key(op, fp8)
     if not on_gpu:
         return INTERPRETER_CONFIG
-    table = _table()
+    table = _table(gpu=gpu)
     buckets = table[key]
     tuned = table.get(table_key(op, fp8, indexed=True)) if indexed else None
     if indexed or scattered:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, dequantize_act_ref, dequantize_weight_ref, num_groups, quantize_act_ref
-from .configs import GemmConfig, gemm_config
+from .configs import GemmConfig, gemm_config, gpu_name
 from .quant import FP8_MAX_C, MIN_AMAX_C, quantize_act, to_fp8
 from .tile_map import tile_coords
 
@@ -433,7 +433,7 @@ def gate_up(x_RD: torch.Tensor, w13_LND: torch.Tensor, rows: ExpertRows, *, x_sc
                              f"got {x_rows_R.dtype} {tuple(x_rows_R.shape)} on {x_rows_R.device}")
         R = x_rows_R.shape[0]
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
-    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda,
+    cfg = config or gemm_config("gate_up", fp8=fp8, rows_hint=hint, on_gpu=x_RD.is_cuda, gpu=gpu_name(x_RD.device),
                                 element_size=x_RD.element_size(), indexed=x_rows_R is not None,
                                 scattered=rows_hint is None and not rows.batched)
     fused_quant = fp8 and cfg.block_n == FP8_BLOCK
@@ -485,7 +485,7 @@ def down(h_RF: torch.Tensor, w2_LDF: torch.Tensor, rows: ExpertRows, *, h_scale_
         raise ValueError(f"down: row_scale_R must be float32 [{R}], got {row_scale_R.dtype} "
                          f"{tuple(row_scale_R.shape)}")
     hint = rows.rows_hint(R) if rows_hint is None else rows_hint
-    cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda,
+    cfg = config or gemm_config("down", fp8=fp8, rows_hint=hint, on_gpu=h_RF.is_cuda, gpu=gpu_name(h_RF.device),
                                 element_size=h_RF.element_size(), scattered=rows_hint is None and not rows.batched)
     y = torch.empty(R, w2_LDF.shape[1], dtype=out_dtype, device=h_RF.device)
     _launch(h_RF.contiguous(), h_scale_RG, w2_LDF.contiguous(), w2_scale, rows, y, None,
