@@ -487,7 +487,7 @@ def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():
 def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypatch):
     table = {"gate_up_bf16": [[10 ** 9, WS]], "gate_up_fp8": [[10 ** 9, WS]], "down_bf16": [[10 ** 9, WS]],
              "gate_up_bf16_indexed": [[10 ** 9, configs.INTERPRETER_CONFIG]]}
-    monkeypatch.setattr(configs, "_table", lambda: table)
+    monkeypatch.setattr(configs, "_table", lambda path=None, gpu=None: table)
     assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True) == WS
     assert gemm_config("gate_up", fp8=False, rows_hint=9, on_gpu=True, indexed=True) == configs.INTERPRETER_CONFIG
     assert gemm_config("gate_up", fp8=True, rows_hint=9, on_gpu=True, indexed=True) == WS.pointer_variant(1)
