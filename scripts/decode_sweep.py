@@ -23,8 +23,8 @@ Per point (shape:T) and op, each candidate is checked against the table's config
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
 kernel, so the GPU's time and not the host's pace; the weights far larger than L2); prints the table's
 time (timed first and last), the best candidate's and the floor (the larger of the hit experts' weight
-bytes at 4.16 TB/s and the rows' flops at 686 TFLOP/s, fp8 1276), and writes decode_sweep.json into
---out after each point.
+bytes at the GPU's copy bandwidth and the rows' flops at its dense peak, `epmoe.bench.ceilings`), and
+writes decode_sweep.json into --out after each point.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from epmoe.bench.experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS
+from epmoe.bench.ceilings import device_ceilings
 from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
 from epmoe.bench.moe import SHAPES
 from epmoe.kernels.configs import POINTER_STAGE_BYTES, SHARED_BYTES, GemmConfig, gemm_config
@@ -45,9 +45,6 @@ from epmoe.kernels.quant import quantize_act
 from epmoe.quant import FP8_DTYPE, dequantize_act_ref, num_groups, quantize_weight_ref
 from epmoe.testing import rel_error
 from epmoe.timing import gpu_us
-
-PEAK_TFLOPS = {"bf16": PEAK_BF16_TFLOPS, "fp8_block": PEAK_FP8_TFLOPS}
-
 
 def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
     """Pointer-kernel tiles with this block_m (fp8: K blocks within one 128-deep scale group, and column
@@ -200,7 +197,8 @@ def main() -> None:
     fp8 = args.quant == "fp8_block"
     if fp8 and args.pool == "prefill":
         p.error("--quant fp8_block sweeps the pointer and ws pools (or the table) only")
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ceilings = device_ceilings(dev)
     g = torch.Generator(dev).manual_seed(0)
     results = []
     weights: dict[str, dict] = {}
@@ -214,7 +212,7 @@ def main() -> None:
         rows_n = sum(counts)
         for op, (run, checked, ref, weight_bytes, table_cfg) in ops.items():
             flops = 2 * rows_n * D * F * (2 if op == "gate_up" else 1)
-            floor_us = max(weight_bytes / (COPY_TBPS * 1e12), flops / (PEAK_TFLOPS[args.quant] * 1e12)) * 1e6
+            floor_us = max(weight_bytes / (ceilings.copy_tbps * 1e12), flops / (ceilings.tflops(fp8) * 1e12)) * 1e6
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
                     else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"

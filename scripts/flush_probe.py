@@ -9,7 +9,7 @@ do_bench flushes L2 by zeroing 256 MiB, which leaves L2 full of dirty lines: the
 and their write-back (up to L2's size) runs inside its timed interval. A flush that sums 256 MiB leaves clean
 lines. Per point (mlp_parts' inputs, exactly t rows per expert): µs by `epmoe.timing.flushed_ms` with
 flush="write" and flush="read", by `gpu_us` (back to back, no flush), and each as % of the weight floor
-(the weights' bytes at 4.16 TB/s; scales not counted); the same for a plain read of the gate-up's and the
+(the weights' bytes at the GPU's copy bandwidth, `epmoe.bench.ceilings`; scales not counted); the same for a plain read of the gate-up's and the
 down's weights (one Triton read kernel each, the MLP's two launches).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.bench.experts import COPY_TBPS
+from epmoe.bench.ceilings import device_ceilings
 from epmoe.timing import flushed_ms, gpu_us
 from mlp_parts import mlp_calls  # scripts/, on sys.path as the running script's folder
 
@@ -51,7 +51,8 @@ def plain_read(tensors: list[torch.Tensor]):
 def run_point(name: str, t: int, fp8: bool, rep_ms: int, max_rows: int, experts: int | None) -> None:
     parts, (L, D, F, weights) = mlp_calls(name, t, fp8, max_rows, experts)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    floor_us = weight_bytes / (COPY_TBPS * 1e12) * 1e6
+    copy_tbps = device_ceilings(torch.device("cuda", torch.cuda.current_device())).copy_tbps
+    floor_us = weight_bytes / (copy_tbps * 1e12) * 1e6
     print(f"## {name} t={t} L={L} {'fp8' if fp8 else 'bf16'}: weights {weight_bytes / 1e6:.0f} MB, "
           f"floor {floor_us:.1f} us")
     for label, fn in (("mlp", parts["mlp"]), ("plain read", plain_read(weights))):

@@ -25,6 +25,7 @@ from epmoe.experts.reference import ReferenceExperts  # noqa: E402
 from epmoe.experts.triton import TritonExperts  # noqa: E402
 from epmoe.interfaces import ExpertBatch, Layout  # noqa: E402
 from epmoe.bench import experts_tune  # noqa: E402
+from epmoe.bench.ceilings import Ceilings  # noqa: E402
 from epmoe.kernels import configs  # noqa: E402
 from epmoe.kernels import grouped_gemm  # noqa: E402
 from epmoe.kernels.configs import GemmConfig, gemm_config  # noqa: E402
@@ -1114,9 +1115,14 @@ def test_bench_floor_and_table_format(tmp_path, capsys):
 
     floor = bench.mlp_floor(R=128, L=128, D=7168, F=2048, fp8=False)
     assert floor.flops == 6.0 * 128 * 7168 * 2048
-    assert floor.ms == pytest.approx(floor.bytes / (bench.COPY_TBPS * 1e12) * 1e3)  # decode: bytes bound
+    assert floor.ms == pytest.approx(floor.bytes / (4.16 * 1e12) * 1e3)  # decode: bytes bound, an H200's
     big = bench.mlp_floor(R=131072, L=128, D=7168, F=2048, fp8=True)
-    assert big.ms == pytest.approx(big.flops / (bench.PEAK_FP8_TFLOPS * 1e12) * 1e3)  # flops bound
+    assert big.ms == pytest.approx(big.flops / (1276.0 * 1e12) * 1e3)  # flops bound
+    slow = Ceilings(bf16_tflops=500.0, fp8_tflops=1000.0, copy_tbps=2.0, source="x")
+    assert bench.mlp_floor(R=128, L=128, D=7168, F=2048, fp8=False, ceilings=slow).ms == pytest.approx(
+        floor.bytes / (2.0 * 1e12) * 1e3)
+    assert bench.mlp_floor(R=131072, L=128, D=7168, F=2048, fp8=True, ceilings=slow).ms == pytest.approx(
+        big.flops / (1000.0 * 1e12) * 1e3)
     text = experts_tune.format_configs_json({"comment": "x", "tables": {key: [[b, c.to_dict()] for b, c in buckets]
                                                                  for key, buckets in configs._table().items()}})
     path = tmp_path / "configs.json"

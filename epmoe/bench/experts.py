@@ -13,7 +13,8 @@ longer than the flush takes the GPU is timed by the GPU, not at the host's pace)
   gmm              torch._grouped_mm gate-up + down, the GEMMs alone (SiLU-and-mul not counted)
   dense            one dense cuBLAS matmul pair of the same total size ([R, D] x [D, 2F], [R, F] x [F, D])
 and prints TFLOP/s, the ratios triton/gmm and triton/dense, and the floor: max(flops / peak, bytes /
-bandwidth) with the H200 peaks of BENCHMARKS.md's machines section, as % of floor reached (floor time / measured time).
+bandwidth) with the GPU's ceilings (`epmoe.bench.ceilings`: the measured ones of its kind, or measured at the
+start of the run), as % of floor reached (floor time / measured time).
 Bytes of the floor: weights + x + h written and read + y (fp8: weights, x, h in 1 byte).
 Total rows are capped at --max-rows (default 131072): a point with L*t above the cap runs on the
 first max_rows // t experts (reported as L_run), which keeps memory and runtime small.
@@ -33,7 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -45,10 +46,7 @@ from ..kernels.quant import quantize_act
 from ..quant import quantize_weights_ref
 from ..timing import flushed_ms
 from . import experts_tune
-
-PEAK_BF16_TFLOPS = 686.0   # dense bf16 8192^3 matmul on one H200 (BENCHMARKS.md, machines)
-PEAK_FP8_TFLOPS = 1276.0   # torch._scaled_mm tensorwise fp8 (same)
-COPY_TBPS = 4.16           # device copy, read + write (same)
+from .ceilings import H200, Ceilings, device_ceilings
 
 SHAPES = {  # name: (D, F, L)
     "dsv3-128": (7168, 2048, 128),
@@ -63,21 +61,28 @@ DECODE_MAX_TOKENS = 64
 
 @dataclass(frozen=True)
 class Floor:
+    """The least time of work of `flops` and `bytes` through HBM on a GPU of these ceilings."""
+
     flops: float
     bytes: float
     peak_tflops: float
+    copy_tbps: float
 
     @property
     def ms(self) -> float:
-        return max(self.flops / (self.peak_tflops * 1e12), self.bytes / (COPY_TBPS * 1e12)) * 1e3
+        return max(self.flops / (self.peak_tflops * 1e12), self.bytes / (self.copy_tbps * 1e12)) * 1e3
 
 
-def mlp_floor(R: int, L: int, D: int, F: int, fp8: bool) -> Floor:
-    """The floor of one grouped expert MLP over R rows and L experts."""
+def floor_on(ceilings: Ceilings, flops: float, nbytes: float, fp8: bool) -> Floor:
+    return Floor(flops, nbytes, ceilings.tflops(fp8), ceilings.copy_tbps)
+
+
+def mlp_floor(R: int, L: int, D: int, F: int, fp8: bool, ceilings: Ceilings = H200) -> Floor:
+    """The floor of one grouped expert MLP over R rows and L experts (default: on an H200)."""
     w_bytes = 1 if fp8 else 2
     flops = 6.0 * R * D * F
     nbytes = L * 3 * D * F * w_bytes + R * D * w_bytes + 2 * R * F * w_bytes + R * D * 2
-    return Floor(flops, nbytes, PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS)
+    return floor_on(ceilings, flops, nbytes, fp8)
 
 
 def random_weights(L: int, D: int, F: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +98,8 @@ def uniform_rows(L: int, t: int, device) -> tuple[ExpertRows, ExpertRows]:
     return ExpertRows.contiguous(offsets), ExpertRows.batched_slots(counts, t)
 
 
-def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: int, rep_ms: int) -> dict:
+def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: int, rep_ms: int,
+                ceilings: Ceilings) -> dict:
     w13, w2, q13, s13, q2, s2 = weights
     L_run = min(L, max_rows // t)
     R = L_run * t
@@ -145,7 +151,7 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
         res[f"{key}_ms"] = ms
         res[f"{key}_tflops"] = flops / ms / 1e9
     for fp8 in (False, True):
-        floor = mlp_floor(R, L_run, D, F, fp8)
+        floor = mlp_floor(R, L_run, D, F, fp8, ceilings)
         tag = "fp8" if fp8 else "bf16"
         res[f"floor_{tag}_ms"] = floor.ms
         res[f"floor_{tag}_bytes"] = floor.bytes
@@ -158,7 +164,7 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
     if "triton_bf16_bat_ms" in res:
         w_bytes = L_run * 3 * D * F * 2
         res["bat_weight_tbps"] = w_bytes / res["triton_bf16_bat_ms"] / 1e9
-        res["bat_pct_copy_bw"] = 100.0 * res["bat_weight_tbps"] / COPY_TBPS
+        res["bat_pct_copy_bw"] = 100.0 * res["bat_weight_tbps"] / ceilings.copy_tbps
     return res
 
 
@@ -185,6 +191,9 @@ def device_name(dev: torch.device) -> str:
 
 def run_bench(args, dev: torch.device) -> dict:
     rows = []
+    ceilings = device_ceilings(dev)
+    print(f"# floors at {ceilings.bf16_tflops:g} (fp8 {ceilings.fp8_tflops:g}) TFLOP/s and {ceilings.copy_tbps:g} "
+          f"TB/s: {ceilings.source}", flush=True)
     for name in args.shapes:
         D, F, L = SHAPES[name]
         w13, w2 = random_weights(L, D, F, dev)
@@ -193,14 +202,14 @@ def run_bench(args, dev: torch.device) -> dict:
         weights = (w13, w2, q13, s13, q2, s2)
         for t in args.tokens:
             t0 = time.perf_counter()
-            rows.append(bench_point(name, D, F, L, t, weights, args.max_rows, args.rep_ms))
+            rows.append(bench_point(name, D, F, L, t, weights, args.max_rows, args.rep_ms, ceilings))
             print(f"# {name} t={t}: {time.perf_counter() - t0:.1f}s", flush=True)
         del w13, w2, q13, s13, q2, s2, weights
         torch.cuda.empty_cache()
     print_table(rows)
     return {"device": device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
             "gemm_table": str(configs_mod.table_path()), "max_rows": args.max_rows,
-            "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS, "copy_tbps": COPY_TBPS},
+            "peaks": asdict(ceilings),
             "points": rows}
 
 

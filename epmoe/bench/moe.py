@@ -36,8 +36,9 @@ Per point and implementation:
              (GEMM kernels: a name holding one of GEMM_KERNEL_PATTERNS, case-insensitive: epmoe's
              Triton `_grouped_gemm_kernel`, CUTLASS grouped GEMMs, cuBLAS `nvjet`/`xmma`/`gemv`
              kernels and its split-K reductions, Triton `matmul` kernels)
-  floor us   max(flops / peak, bytes / 4.16 TB/s): flops = 6 * T*K * D * F at 686 TFLOP/s (fp8: 1276),
-             bytes = the weights of the experts the routing hits (fp8: 1 byte each) + x read + out written
+  floor us   max(flops / peak, bytes / copy bandwidth) with the GPU's ceilings (`epmoe.bench.ceilings`; an
+             H200's, 686 (fp8 1276) TFLOP/s and 4.16 TB/s, on the CPU): flops = 6 * T*K * D * F, bytes =
+             the weights of the experts the routing hits (fp8: 1 byte each) + x read + out written
   % floor    floor / GPU time; TFLOP/s = flops / GPU time
   x tf       transformers grouped_mm's GPU time / this one's (> 1: faster than transformers); fp8 rows
              against transformers' FP8 experts, or, where they do not run, its bf16 grouped_mm (said so)
@@ -57,7 +58,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
@@ -73,7 +74,8 @@ from ..registry import list_experts
 from ..testing import TOLERANCES, rel_error
 from ..timing import sync
 from . import hf_peer
-from .experts import COPY_TBPS, PEAK_BF16_TFLOPS, PEAK_FP8_TFLOPS, Floor, fmt
+from .ceilings import H200, Ceilings, device_ceilings
+from .experts import Floor, floor_on, fmt
 from .hf_peer import MoEShape
 
 SHAPES = {s.name: s for s in (
@@ -139,13 +141,14 @@ class ShapeWeights:
     fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # q13, s13, q2, s2
 
 
-def block_floor(shape: MoEShape, T: int, experts_hit: float, fp8: bool) -> Floor:
+def block_floor(shape: MoEShape, T: int, experts_hit: float, fp8: bool, ceilings: Ceilings = H200) -> Floor:
     """The floor of one block call over T tokens whose routing hits `experts_hit` experts: every routed
-    row's 6*D*F flops, and the hit experts' weights, x and the output through HBM once."""
+    row's 6*D*F flops, and the hit experts' weights, x and the output through HBM once (default: on an
+    H200)."""
     D, F = shape.hidden_size, shape.intermediate_size
     flops = 6.0 * T * shape.top_k * D * F
     nbytes = experts_hit * 3 * D * F * (1 if fp8 else 2) + 2 * T * D * 2
-    return Floor(flops, nbytes, PEAK_FP8_TFLOPS if fp8 else PEAK_BF16_TFLOPS)
+    return floor_on(ceilings, flops, nbytes, fp8)
 
 
 def is_gemm_kernel(name: str) -> bool:
@@ -374,8 +377,10 @@ def reference_fn(shape: MoEShape, modules: dict[str, torch.nn.Module], weights: 
 
 
 def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Callable[[Inputs], torch.Tensor],
-                inputs: Sequence[Inputs], repeats: int, device: torch.device, failed: dict[str, str]) -> list[dict]:
-    """One record per implementation that runs at (shape, T); see the module docstring for the fields."""
+                inputs: Sequence[Inputs], repeats: int, device: torch.device, failed: dict[str, str],
+                ceilings: Ceilings = H200) -> list[dict]:
+    """One record per implementation that runs at (shape, T); see the module docstring for the fields. Floors
+    on a GPU of `ceilings`."""
     ref_TD = reference(inputs[0])
     checked = []
     for impl in impls:
@@ -403,7 +408,7 @@ def bench_point(shape: MoEShape, T: int, impls: Sequence[Impl], reference: Calla
         baseline = f"{BASELINE} {impl.quant}"
         if baseline not in gpu_of:
             baseline = f"{BASELINE} bf16"
-        floor = block_floor(shape, T, hit, impl.quant == "fp8_block")
+        floor = block_floor(shape, T, hit, impl.quant == "fp8_block", ceilings)
         records.append({
             "shape": shape.name, "D": shape.hidden_size, "E": shape.num_experts, "K": shape.top_k,
             "F": shape.intermediate_size, "T": T, "quant": impl.quant, "impl": impl.name, "runs": impl.runs,
@@ -481,6 +486,7 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
     failed: dict[str, str] = {}
     records: list[dict] = []
     ref_name = "-"
+    ceilings = device_ceilings(device) if device.type == "cuda" else H200
     if hf_peer.transformers_version() is None:
         skipped["transformers"] = "not installed: no transformers rows, no ratios; checked against epmoe's reference"
     with torch.inference_mode():
@@ -496,7 +502,7 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
                 for quant in quants:
                     impls += epmoe_impls(shape, T, quant, weights, device, skipped)
                 impls = [i for i in impls if i.key not in failed]
-                records += bench_point(shape, T, impls, reference, inputs, repeats, device, failed)
+                records += bench_point(shape, T, impls, reference, inputs, repeats, device, failed, ceilings)
                 print(f"# {shape.name} T={T}: {time.perf_counter() - t0:.1f}s", flush=True)
                 del impls, inputs
                 gc.collect()
@@ -508,8 +514,8 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
     rows = table_rows(records)
     print(format_table(HEADERS, rows))
     print(f"GPU us: median of {repeats} back-to-back calls; host us: time to queue one; GEMM %: kernels named "
-          f"with {'/'.join(GEMM_KERNEL_PATTERNS)}; floor at {PEAK_BF16_TFLOPS:g} (fp8 {PEAK_FP8_TFLOPS:g}) TFLOP/s "
-          f"and {COPY_TBPS} TB/s; rel err vs {ref_name}")
+          f"with {'/'.join(GEMM_KERNEL_PATTERNS)}; floor at {ceilings.bf16_tflops:g} (fp8 {ceilings.fp8_tflops:g}) "
+          f"TFLOP/s and {ceilings.copy_tbps:g} TB/s ({ceilings.source}); rel err vs {ref_name}")
     baselines = dict.fromkeys((r["quant"], r["baseline"]) for r in records if r["baseline"] is not None)
     print("x tf: the baseline's GPU time / GPU time; " + "; ".join(f"{q} rows against {b}" for q, b in baselines))
     retried = dict.fromkeys(f"{r['shape']} T={r['T']} ({r['alloc_retries']})" for r in records if r["alloc_retries"])
@@ -528,7 +534,7 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
                   "torch": torch.__version__, "triton": triton.__version__,
                   "transformers": hf_peer.transformers_version(), "gemm_table": str(configs.table_path()),
                   "repeats": repeats, "seed": seed,
-                  "peaks": {"bf16_tflops": PEAK_BF16_TFLOPS, "fp8_tflops": PEAK_FP8_TFLOPS, "copy_tbps": COPY_TBPS},
+                  "peaks": asdict(ceilings),
                   "gemm_kernel_patterns": list(GEMM_KERNEL_PATTERNS), "skipped": skipped, "seconds": seconds,
                   "points": records}
         (folder / "moe.json").write_text(json.dumps(result, indent=1) + "\n")
