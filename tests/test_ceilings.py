@@ -32,11 +32,12 @@ def test_the_command_needs_a_gpu(capsys):
 @pytest.mark.gpu
 def test_measured_ceilings_match_the_known_ones_of_this_gpu():
     """The probes measure plausible numbers (Hopper-class: hundreds of TFLOP/s, TB/s); on a GPU `KNOWN`
-    lists, within 10% of its entry, so that the committed ceilings hold on the machines that run the tests."""
+    lists by `measure`, within 10% of its entry, so that the committed ceilings hold on the machines that
+    run the tests."""
     dev = torch.device("cuda", torch.cuda.current_device())
     got = ceilings.measure(dev)
     assert got.bf16_tflops > 50 and got.fp8_tflops > got.bf16_tflops and got.copy_tbps > 0.5, got
     known = ceilings.KNOWN.get(torch.cuda.get_device_name(dev))
-    if known is not None:
+    if known is not None and known.by_measure:
         for field in ("bf16_tflops", "fp8_tflops", "copy_tbps"):
             assert getattr(got, field) == pytest.approx(getattr(known, field), rel=0.10), (field, got, known)
