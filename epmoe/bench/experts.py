@@ -24,7 +24,8 @@ DeepSeek-V2-Lite.
 
 `--tune` instead checks and times candidate launch configs per (GEMM, precision, rows-per-expert
 bucket) at these shapes, beside torch._grouped_mm and dense matmuls, and writes the winners as
-`configs.json` (the format of epmoe/kernels/configs.json) to --out; commit it there to use it
+`configs.json` (the format of epmoe/kernels/configs.json, listing the GPU it ran on) to --out; commit it
+over the table that lists that GPU, or beside it as configs_<gpu>.json for a new one, to use it
 (epmoe/bench/experts_tune.py; `--table-from` rebuilds configs.json from a run's experts_tune.json).
 
 Run: python -m epmoe.bench.experts --out DIR [--tune]   (needs one CUDA GPU)
