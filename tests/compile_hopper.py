@@ -1,6 +1,6 @@
 """Compile the expert kernels for sm_90 without a GPU (ptxas ships with triton): the pointer kernel with
-every table entry's launch config, and the warp-specialized Gluon kernel with the table's entries and the
-tuner's candidates. Fails on compiler front-end errors, register spills, shared memory past the limit
+the launch config of every entry of every committed table (configs*.json), and the warp-specialized Gluon
+kernel with those tables' entries and the tuner's candidates. Fails on compiler front-end errors, register spills, shared memory past the limit
 and (warp-specialized kernel) wgmma that ptxas serializes. Run by test_triton_experts.py in a process
 without TRITON_INTERPRET; the compiles run in parallel processes. Exit 3 = this Triton's compiler cannot
 be driven this way (skip)."""
@@ -75,9 +75,12 @@ def wgmma_serialized(kernel) -> bool:
 
 
 def table_gpus() -> list[str]:
-    """One GPU name per committed launch table: the tables whose configs are compiled."""
+    """One GPU name per committed launch table: the tables whose configs are compiled (the default table
+    among them: it lists the GPU it was tuned on)."""
     from epmoe.kernels import configs
-    return sorted({path: name for name, path in sorted(configs.device_tables().items())}.values())
+    names = {path: name for name, path in sorted(configs.device_tables().items())}
+    assert configs.TABLE_PATH in names, f"{configs.TABLE_PATH} lists no GPU: its configs would go uncompiled"
+    return sorted(names.values())
 
 
 def _pointer_config(op: str, dtype: str, bound: int, gather: bool | None, gpu: str):

@@ -1157,8 +1157,8 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=4096, on_gpu=True) == mine  # past the last bound
     monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / "absent.json"))  # read once: no change within a process
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == mine
-    assert configs.gemm_config("down", fp8=True, rows_hint=128, on_gpu=True) == configs._table(configs.TABLE_PATH)[
-        "down_fp8"][3][1]
+    committed_here = configs._table(configs.device_tables().get(configs._current_gpu(), configs.TABLE_PATH))
+    assert configs.gemm_config("down", fp8=True, rows_hint=128, on_gpu=True) == committed_here["down_fp8"][3][1]
     bad = {"missing": {k: v for k, v in tables.items() if k != "down_fp8"},
            "unordered": {**tables, "down_bf16": [[256, mine.to_dict()], [128, mine.to_dict()]]},
            "unknown field": {**tables, "down_bf16": [[256, {**mine.to_dict(), "blockm": 3}]]},
@@ -1178,7 +1178,8 @@ def test_the_launch_table_comes_from_the_file_the_environment_names(tmp_path, mo
             configs.gemm_config("down", fp8=False, rows_hint=128, on_gpu=True)
     monkeypatch.delenv(configs.TABLE_ENV)
     configs._in_use.cache_clear()
-    assert configs.table_path() == configs.TABLE_PATH
+    assert configs.table_path() == configs.device_tables().get(configs._current_gpu(), configs.TABLE_PATH)
+    assert configs.table_path("a GPU no table lists") == configs.TABLE_PATH
     assert configs.gemm_config("gate_up", fp8=False, rows_hint=128, on_gpu=True) == want
 
 
@@ -1186,6 +1187,9 @@ def test_each_gpu_launches_with_the_committed_table_that_lists_it(tmp_path, monk
     """A launch on a GPU takes the committed table whose `devices` list the GPU's name, else the default
     (configs.json, which lists the H200 it was tuned on); EPMOE_GEMM_TABLE serves every GPU in their place;
     two tables listing one GPU, or a malformed list, are refused with the files' names."""
+    for cached in ("_in_use", "device_tables"):  # this test's own caches
+        monkeypatch.setattr(configs, cached, functools.cache(getattr(configs, cached).__wrapped__))
+    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
     committed = configs.device_tables()
     assert committed["NVIDIA H200"] == configs.TABLE_PATH
     for name, path in committed.items():  # every committed table serves every launch
@@ -1193,9 +1197,6 @@ def test_each_gpu_launches_with_the_committed_table_that_lists_it(tmp_path, monk
     assert sorted(configs.TABLE_PATH.parent.glob(configs.TABLE_GLOB)) == sorted(set(committed.values()))
     assert configs.table_path("a GPU no table lists") == configs.TABLE_PATH
 
-    for cached in ("_in_use", "device_tables"):  # this test's own caches
-        monkeypatch.setattr(configs, cached, functools.cache(getattr(configs, cached).__wrapped__))
-    monkeypatch.delenv(configs.TABLE_ENV, raising=False)
     default = {key: [[b, c.to_dict()] for b, c in buckets]
                for key, buckets in configs._table(configs.TABLE_PATH).items()}
     mine = GemmConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3)
@@ -1205,6 +1206,8 @@ def test_each_gpu_launches_with_the_committed_table_that_lists_it(tmp_path, monk
                                                          "tables": mine_down}))
     (tmp_path / "other.json").write_text(json.dumps({"comment": "x", "devices": ["GPU B"], "tables": default}))
     monkeypatch.setattr(configs, "TABLE_PATH", tmp_path / "configs.json")
+    configs.device_tables.cache_clear()
+    configs._in_use.cache_clear()
     assert configs.device_tables() == {"GPU A": tmp_path / "configs.json", "GPU B": tmp_path / "configs_b.json",
                                        "GPU C": tmp_path / "configs_b.json"}  # (other.json is not a table name)
     want = configs._table(configs.TABLE_PATH)["down_bf16"][-1][1]
@@ -1215,8 +1218,10 @@ def test_each_gpu_launches_with_the_committed_table_that_lists_it(tmp_path, monk
     assert configs.gemm_config("down", fp8=False, rows_hint=4096, on_gpu=True, gpu="GPU B") == want
     monkeypatch.delenv(configs.TABLE_ENV)
     for name, devices, says in (("configs_c.json", ["GPU B"], "configs_b.json and .*configs_c.json both list the "
-                                 "GPU 'GPU B'"), ("configs_c.json", "GPU E", '"devices" must be a list of GPU names')):
-        (tmp_path / name).write_text(json.dumps({"comment": "x", "devices": devices, "tables": default}))
+                                 "GPU 'GPU B'"), ("configs_c.json", "GPU E", '"devices" must be a list of GPU names'),
+                                ("configs_c.json", None, "configs_c.json: not a JSON object")):
+        (tmp_path / name).write_text(json.dumps([default] if devices is None else
+                                                {"comment": "x", "devices": devices, "tables": default}))
         configs.device_tables.cache_clear()
         configs._in_use.cache_clear()
         with pytest.raises(ValueError, match=says):

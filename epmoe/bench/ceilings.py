@@ -3,8 +3,8 @@ copy bandwidth, per GPU.
 
 A floor is max(flops / peak, bytes / bandwidth) (`epmoe.bench.experts.Floor`). The ceilings are measured, not
 taken from a datasheet: a dense bf16 torch.mm of 8192 x 8192 x 8192, a tensorwise-scaled fp8
-torch._scaled_mm of the same size (both timed back to back, the median of the calls), and a copy of
-1 GiB into another (read + write bytes). `KNOWN` holds the measured values of the GPUs the project's
+torch._scaled_mm of the same size (NaN on a GPU without fp8 matmuls, whose fp8 floors are then NaN too),
+and a copy of 1 GiB into another (read + write bytes), each timed back to back (`measure`). `KNOWN` holds the measured values of the GPUs the project's
 tables were made on, so that every run on one GPU kind is held to the same floor; another GPU is measured
 at the first call of `device_ceilings` in the process.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,7 +70,11 @@ def measure(device: torch.device, iters: int = 20) -> Ceilings:
 
     flops = 2.0 * n ** 3
     bf16 = flops / best_us(lambda: torch.mm(a, b)) / 1e6
-    fp8 = flops / best_us(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e6
+    if torch.cuda.get_device_capability(device) >= (8, 9):  # fp8 tensor cores: Ada, Hopper and later
+        fp8 = flops / best_us(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                       out_dtype=torch.bfloat16)) / 1e6
+    else:
+        fp8 = math.nan
     copy = 2 * COPY_BYTES / best_us(lambda: dst.copy_(src)) / 1e6
     name = torch.cuda.get_device_name(device)
     return Ceilings(bf16_tflops=round(bf16, 1), fp8_tflops=round(fp8, 1), copy_tbps=round(copy, 3),

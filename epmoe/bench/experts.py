@@ -140,7 +140,7 @@ def bench_point(name: str, D: int, F: int, L: int, t: int, weights, max_rows: in
            "flops": flops}
     for op in configs_mod.OPS:
         for fp8 in (False, True):
-            cfg = configs_mod.gemm_config(op, fp8=fp8, rows_hint=t, on_gpu=True)
+            cfg = configs_mod.gemm_config(op, fp8=fp8, rows_hint=t, on_gpu=True, gpu=configs_mod.gpu_name(dev))
             res[f"config_{configs_mod.table_key(op, fp8)}"] = cfg.to_dict()
     for key, fn in timings.items():
         try:

@@ -13,8 +13,8 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
 
 NEW defaults to the checkout's table for the GPU (epmoe/kernels/configs*.json, `configs.table_path`); with
 --set, NEW is OLD with one field of every config in the entries whose key begins with a prefix set to a
-value (JSON: true, 3), written to OUT/new.json. The bench's own arguments follow its name. `git show main:epmoe/kernels/configs.json >
-old.json` makes OLD the table on main.
+value (JSON: true, 3), written to OUT/new.json. The bench's own arguments follow its name. `git show
+main:epmoe/kernels/configs.json > old.json` makes OLD main's default table (on an H100: configs_h100.json).
 Points timed: experts, the Triton bf16 and fp8 MLPs (and the batched layout's bf16 where the bench runs
 it); moe, each epmoe row's GPU time (a row over tolerance is reported as such).
 """

@@ -1,4 +1,4 @@
-"""Launch configurations of the grouped expert GEMMs: a pure function of shapes over a tuned table.
+"""Launch configurations of the grouped expert GEMMs: a pure function of shapes and GPU over tuned tables.
 
 Shape letters: R rows per expert (the host's estimate, see `rows_hint`), N output columns, K reduction size.
 
@@ -27,7 +27,7 @@ import torch
 
 TABLE_PATH = Path(__file__).with_name("configs.json")  # the default table: GPUs that no committed table lists
 TABLE_GLOB = "configs*.json"  # the committed tables, beside TABLE_PATH
-TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of the committed ones (read once)
+TABLE_ENV = "EPMOE_GEMM_TABLE"  # names a configs.json to launch with in place of the committed ones (read once a GPU)
 OPS = ("gate_up", "down")
 # The launch table's buckets up to this many rows per expert are hand-set (decode sizes, weight-bound), the
 # tuner's above; an `_indexed` table's buckets up to it (if it has any) are hand-set too, and serve gathered
@@ -182,9 +182,12 @@ def _in_use(gpu: str | None) -> tuple[Path, dict[str, list[tuple[int, GemmConfig
 
 def _read(path: Path, where: str) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    return data
 
 
 def _load_devices(path: Path) -> list[str]:
