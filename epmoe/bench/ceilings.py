@@ -1,12 +1,12 @@
 """The GPU ceilings a benchmark's floor is computed from: dense bf16 and fp8 matmul throughput and device
 copy bandwidth, per GPU.
 
-A floor is max(flops / peak, bytes / bandwidth) (`epmoe.bench.experts.Floor`). The ceilings are measured, not
-taken from a datasheet: a dense bf16 torch.mm of 8192 x 8192 x 8192, a tensorwise-scaled fp8
+A floor is max(flops / peak, bytes / bandwidth) (`epmoe.bench.experts.Floor`). The ceilings are measured,
+not taken from a datasheet: a dense bf16 torch.mm of 8192 x 8192 x 8192, a tensorwise-scaled fp8
 torch._scaled_mm of the same size (NaN on a GPU without fp8 matmuls, whose fp8 floors are then NaN too),
-and a copy of 1 GiB into another (read + write bytes), each timed back to back (`measure`). `KNOWN` holds the measured values of the GPUs the project's
-tables were made on, so that every run on one GPU kind is held to the same floor; another GPU is measured
-at the first call of `device_ceilings` in the process.
+and a copy of 1 GiB into another (read + write bytes), each timed back to back (`measure`). `KNOWN` holds
+the measured values of the GPUs the project's tables were made on, so that every run on one GPU kind is
+held to the same floor; another GPU is measured at the first call of `device_ceilings` in the process.
 
     python -m epmoe.bench.ceilings   # measure this GPU's, beside the known ones (needs one CUDA GPU)
 """
