@@ -9,8 +9,8 @@ do_bench flushes L2 by zeroing 256 MiB, which leaves L2 full of dirty lines: the
 and their write-back (up to L2's size) runs inside its timed interval. A flush that sums 256 MiB leaves clean
 lines. Per point (mlp_parts' inputs, exactly t rows per expert): µs by `epmoe.timing.flushed_ms` with
 flush="write" and flush="read", by `gpu_us` (back to back, no flush), and each as % of the weight floor
-(the weights' bytes at the GPU's copy bandwidth, `epmoe.bench.ceilings`; scales not counted); the same for a plain read of the gate-up's and the
-down's weights (one Triton read kernel each, the MLP's two launches).
+(the weights' bytes at the GPU's copy bandwidth, `epmoe.bench.ceilings`; scales not counted); the same for
+a plain read of the gate-up's and the down's weights (one Triton read kernel each, the MLP's two launches).
 """
 from __future__ import annotations
 

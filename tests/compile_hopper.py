@@ -1,7 +1,7 @@
 """Compile the expert kernels for sm_90 without a GPU (ptxas ships with triton): the pointer kernel with
 the launch config of every entry of every committed table (configs*.json), and the warp-specialized Gluon
-kernel with those tables' entries and the tuner's candidates. Fails on compiler front-end errors, register spills, shared memory past the limit
-and (warp-specialized kernel) wgmma that ptxas serializes. Run by test_triton_experts.py in a process
+kernel with those tables' entries and the tuner's candidates. Fails on compiler front-end errors, register
+spills, shared memory past the limit and (warp-specialized kernel) wgmma that ptxas serializes. Run by test_triton_experts.py in a process
 without TRITON_INTERPRET; the compiles run in parallel processes. Exit 3 = this Triton's compiler cannot
 be driven this way (skip)."""
 import dataclasses
