@@ -9,9 +9,7 @@ tuned buckets (128 rows and up) on routed counts, where an expert's rows past a 
 take a tile more (`epmoe bench experts --tune` times exactly t rows per expert): the tuner's
 warp-specialized and pointer candidates, and 64-row tiles of both kernels; "ws", for the decode buckets:
 the warp-specialized kernel's 64-row tiles (cooperative and interleaved; and the split schedule's 128-row
-tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "flat",
-pointer-kernel tiles of 16 and 64 rows with TMA weight loads and the flat loop (`GemmConfig.flat`: the
-pipeline runs on from one tile to the next there too); "table",
+tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "table",
 none (the table's config alone, to compare tables). --contiguous: the gate-up reads a copy of the routed
 rows in order (as `epmoe bench experts` times it, with the plain table's entries) instead of through the
 row index (the `_indexed` entries); --batched: the rows in ll's batched layout on one rank, a slot of T
@@ -19,7 +17,7 @@ rows per expert (the plain entries, chosen for the mean rows per expert as Trito
 the down without the top-k weights).
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
-        [--pool pointer|prefill|ws|flat|table] [--contiguous | --batched] [--out DIR]
+        [--pool pointer|prefill|ws|table] [--contiguous | --batched] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
@@ -60,21 +58,6 @@ def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
         if stage * stages > POINTER_STAGE_BYTES:
             continue
         out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
-    return out
-
-
-def flat_candidates(gate: bool, fp8: bool) -> list[GemmConfig]:
-    """Pointer-kernel tiles with the flat loop and TMA weight loads: 16 rows (4 warps) and 64 (4 or 8), the
-    fp8 gate-up's 128 columns (h quantized in its epilogue), else 64 and 128, as many stages as fit (3-6)."""
-    bk = 128 if fp8 else 64
-    out = []
-    for bm, bn, warps, stages in itertools.product((16, 64), (128,) if gate and fp8 else (64, 128), (4, 8),
-                                                   (3, 4, 5, 6)):
-        stage = (bm + (2 if gate else 1) * bn) * bk * (1 if fp8 else 2)
-        if (bm == 16 and warps == 8) or stage * stages > POINTER_STAGE_BYTES:
-            continue
-        out.append(GemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages,
-                              tma=True, flat=True))
     return out
 
 
@@ -203,7 +186,7 @@ def main() -> None:
                                                     "deepseek-v3:256", "qwen3-30b-a3b:1024", "deepseek-v2-lite:1024",
                                                     "mixtral-8x7b:128", "deepseek-v3:1024"])
     p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
-    p.add_argument("--pool", choices=["pointer", "prefill", "ws", "flat", "table"], default="pointer",
+    p.add_argument("--pool", choices=["pointer", "prefill", "ws", "table"], default="pointer",
                    help="table: no candidates, the table's config timed first and last")
     layout = p.add_mutually_exclusive_group()
     layout.add_argument("--contiguous", action="store_true", help="the gate-up reads the routed rows copied in order")
@@ -213,7 +196,7 @@ def main() -> None:
     args = p.parse_args()
     fp8 = args.quant == "fp8_block"
     if fp8 and args.pool == "prefill":
-        p.error("--quant fp8_block sweeps the pointer, ws and flat pools (or the table) only")
+        p.error("--quant fp8_block sweeps the pointer and ws pools (or the table) only")
     dev = torch.device("cuda", torch.cuda.current_device())
     ceilings = device_ceilings(dev)
     g = torch.Generator(dev).manual_seed(0)
@@ -233,7 +216,6 @@ def main() -> None:
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
                     else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"
-                    else flat_candidates(gate, fp8) if args.pool == "flat"
                     else prefill_candidates(gate) if args.pool == "prefill" else [])
             table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []

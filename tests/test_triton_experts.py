@@ -228,55 +228,6 @@ def test_tma_loads_match_reference(counts, layout, fp8, F, monkeypatch):
         assert built.count((cfg.block_m, cfg.block_k)) == (1 if layout == "indexed" else 2)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "batched", "indexed"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
-@pytest.mark.parametrize("tma", [False, True])
-def test_flat_loop_gives_the_tile_loops_results(layout, precision, tma):
-    """GemmConfig.flat (one loop over a program's tiles and their K blocks) gives the per-tile loop's h and y
-    bit for bit, and both match the reference: programs take several tiles each, tiles several K blocks,
-    the last one partial (the interpreter runs 3 programs; on the GPU the real grid)."""
-    counts = [5, 0, 17, 33]
-    fp8 = precision == "fp8"
-    L, D, F = len(counts), (272 if fp8 else 80), (256 if fp8 else 48)
-    rows, R = make_rows(counts, layout == "batched")
-    w13, w2 = weights(L, D, F, torch.float32 if precision == "fp32" else torch.bfloat16)
-    x = torch.randn(R, D, device=DEVICE).to(w13.dtype)
-    x_rows = None
-    if layout == "indexed":
-        x_rows = torch.randint(0, R // 2 + 1, (R,), dtype=torch.int32).to(DEVICE)
-        x = x[: R // 2 + 1]
-    block = 128 if fp8 else 32
-    tiled = GemmConfig(block_m=16, block_n=block, block_k=block, group_m=2, tma=tma)
-    flat = dataclasses.replace(tiled, flat=True)
-    mask = valid_mask(rows, R)
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_weight_ref(w13.float()), quantize_weight_ref(w2.float())
-        x, xs = quantize_act_ref(x)
-        up = functools.partial(gate_up, x, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows)
-        dn = functools.partial(down, w2_LDF=w2, rows=rows, w2_scale=s2, out_dtype=torch.bfloat16)
-        h_ref = gate_up_ref(x, w13, rows, x_scale_RG=xs, w13_scale=s13, x_rows_R=x_rows)
-    else:
-        s2 = None
-        up = functools.partial(gate_up, x, w13, rows, x_rows_R=x_rows)
-        dn = functools.partial(down, w2_LDF=w2, rows=rows)
-        h_ref = gate_up_ref(x, w13, rows, x_rows_R=x_rows)
-    (h, hs), (h_flat, hs_flat) = up(config=tiled), up(config=flat)
-    assert torch.equal(h[mask].view(torch.uint8), h_flat[mask].view(torch.uint8))
-    if fp8:
-        assert torch.equal(hs[mask], hs_flat[mask])
-        torch.testing.assert_close(dequantize_act_ref(h_flat, hs_flat)[mask], h_ref[mask], rtol=FP8_H_TOL[0],
-                                   atol=FP8_H_TOL[1])
-    else:
-        torch.testing.assert_close(h_flat[mask].float(), h_ref[mask], rtol=TOL[h.dtype][0], atol=TOL[h.dtype][1])
-    scale = torch.rand(R, device=DEVICE)
-    kwargs = {"h_scale_RG": hs, "row_scale_R": scale}
-    y, y_flat = dn(h, config=tiled, **kwargs), dn(h, config=flat, **kwargs)
-    assert torch.equal(y[mask].float(), y_flat[mask].float())
-    y_ref = down_ref(h, w2, rows, h_scale_RG=hs, w2_scale=s2, row_scale_R=scale)
-    tol = FP8_TOL if fp8 else TOL[y.dtype]
-    torch.testing.assert_close(y_flat[mask].float(), y_ref[mask], rtol=tol[0], atol=tol[1])
-
-
 def test_row_index_is_validated():
     x = torch.randn(4, 8, device=DEVICE)
     counts = torch.tensor([2], dtype=torch.int32, device=DEVICE)

@@ -64,8 +64,6 @@ class GemmConfig:
     programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
     their tile map (and prefetch their first tiles' weights into L2) meanwhile, and wait for the gate-up to
     end (griddepcontrol.wait) before they read h or write.
-    flat (the pointer kernel): a program's tiles and their K blocks run as one pipelined loop, so that its
-    loads run on from one tile into the next instead of the pipeline starting again at each tile.
     """
 
     block_m: int
@@ -79,7 +77,6 @@ class GemmConfig:
     pipe_mma: bool = False
     claim_tiles: bool = False
     pdl: bool = False
-    flat: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):
@@ -97,8 +94,6 @@ class GemmConfig:
             if self.num_warps != warps or self.block_m < rows or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
                                  f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
-            if self.flat:
-                raise ValueError(f"GemmConfig.flat is for the pointer kernel (warp_specialize None), got {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
         if self.claim_tiles and (self.warp_specialize != "cooperative" or self.num_stages > CLAIM_MAX_STAGES):

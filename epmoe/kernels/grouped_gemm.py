@@ -105,118 +105,6 @@ class ExpertRows:
 
 
 @triton.jit
-def _tile_operands(tile, e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n, a_rows_ptr, R, N,
-                   GATHER: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   GROUP_M: tl.constexpr):
-    """Where tile number `tile` reads and writes: (expert (int64), first row, its rows offs_m [BLOCK_M] and
-    m_mask, the rows of A they read (int64: clamped into [0, R), through a_rows with GATHER), column tile,
-    its columns offs_n [BLOCK_N], the columns of B they read (int64, clamped), B's first row of the tile as
-    [L * N (x2), K])."""
-    expert, row0, row_end, pid_n = tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n,
-                                               GROUP_M, BLOCK_M)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < row_end
-    rows_a = tl.minimum(offs_m, R - 1).to(tl.int64)  # rows past the expert's end: in bounds, never stored
-    if GATHER:
-        rows_a = tl.load(a_rows_ptr + rows_a, mask=m_mask, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_b = tl.minimum(offs_n, N - 1).to(tl.int64)
-    b_row = expert * (2 * N if GATE_UP else N) + pid_n * BLOCK_N
-    return expert.to(tl.int64), row0, offs_m, m_mask, rows_a, pid_n, offs_n, cols_b, b_row
-
-
-@triton.jit
-def _k_block(acc, acc_up, k0, a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, expert64, row0, rows_a, pid_n,
-             cols_b, b_row, N, K, stride_bl, stride_bsl, stride_bsn, G_A,
-             GATE_UP: tl.constexpr, FP8: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
-             TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-             EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
-    """(acc, acc_up) after the K block [k0, k0 + BLOCK_K) of one tile (`_tile_operands`' values)."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    if TMA_A:
-        a = a_desc.load([row0, k0])
-    else:
-        a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-    if TMA_B:
-        b = b_desc.load([b_row, k0]).T
-        if GATE_UP:
-            b_up = b_desc.load([b_row + N, k0]).T
-    else:
-        b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-        if EVEN_K:
-            b = tl.load(b_ptrs)
-            if GATE_UP:
-                b_up = tl.load(b_ptrs + N * K)
-        else:
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-            if GATE_UP:
-                b_up = tl.load(b_ptrs + N * K, mask=k_mask[:, None], other=0.0)
-    if QUANT_A:
-        a32 = a.to(tl.float32)
-        a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), MIN_AMAX_C), FP8_MAX_C)
-        a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FP8_MAX_C), FP8_MAX_C)
-        a = to_fp8(a, b.dtype, UPCAST)
-    if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp8 tiles
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-        if GATE_UP:
-            b_up = b_up.to(tl.float32)
-    if FP8:
-        g = k0 // SCALE_GROUP
-        if not QUANT_A:
-            a_s = tl.load(a_scale_ptr + rows_a * G_A + g)
-        if TILE_B_SCALE:
-            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
-            acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
-            if GATE_UP:
-                up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
-                acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
-        else:
-            b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
-            acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
-            if GATE_UP:
-                up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
-                acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
-    elif IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-        if GATE_UP:
-            acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-        if GATE_UP:
-            acc_up = tl.dot(a, b_up, acc_up)
-    return acc, acc_up
-
-
-@triton.jit
-def _epilogue(acc, acc_up, offs_m, m_mask, offs_n, pid_n, c_ptr, c_scale_ptr, row_scale_ptr, N, G_C,
-              GATE_UP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, QUANT_OUT: tl.constexpr, UPCAST: tl.constexpr):
-    """Stores one tile: silu(acc) * acc_up (GATE_UP), times the rows' scales (HAS_ROW_SCALE), quantized per row
-    with its scale (QUANT_OUT) or in C's dtype."""
-    if GATE_UP:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if HAS_ROW_SCALE:
-        acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
-    rows_c = offs_m.to(tl.int64)
-    c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
-    c_mask = m_mask[:, None] & (offs_n < N)[None, :]
-    if QUANT_OUT:
-        # Columns past N repeat column N-1 (clamped pointer loads; the launcher keeps TMA off B here),
-        # so the group's amax is that of its real columns.
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-        tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-        tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
-    else:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
         a_ptr, a_desc, a_scale_ptr, a_rows_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, row_scale_ptr,
         index_ptr, L, SLOT_ROWS, R, N, K,
@@ -224,7 +112,7 @@ def _grouped_gemm_kernel(
         BATCHED: tl.constexpr, GATHER: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
         TMA_A: tl.constexpr, TMA_B: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_K: tl.constexpr, FLAT: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr, GDC: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
@@ -239,8 +127,6 @@ def _grouped_gemm_kernel(
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
     at a time, as `quantize_act` would (same scales and rounding); rows past the counts are never read.
-    FLAT: a program's tiles and their K blocks run as one loop, so that the software pipeline's loads run on
-    from one tile into the next (the tile's epilogue inside it); else a loop over K blocks per tile.
     GDC (grid dependency control, on Hopper; `_gdc`): GDC_TRIGGER lets a programmatic dependent
     launch start as soon as every program has begun; GDC_WAIT (the kernel launched as one) builds the tile
     map, then waits for the grid before it to end before it reads A or writes.
@@ -268,42 +154,107 @@ def _grouped_gemm_kernel(
     num_tiles_n = tl.cdiv(N, BLOCK_N)
     if GDC == GDC_WAIT:
         gdc_wait()
-    # Persistent programs over the real tiles only (the grid is capped on the host).
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    if FLAT:
-        k_steps = tl.cdiv(K, BLOCK_K)
-        mine = tl.cdiv(tl.maximum(num_tiles_m * num_tiles_n - pid, 0), programs)
+    # Persistent loop over the real tiles only (the grid is capped on the host).
+    for tile in range(tl.program_id(0), num_tiles_m * num_tiles_n, tl.num_programs(0)):
+        expert, row0, row_end, pid_n = tile_coords(tile, e, base, count, tiles, tiles_end, num_tiles_m,
+                                                   num_tiles_n, GROUP_M, BLOCK_M)
+
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < row_end
+        rows_a = tl.minimum(offs_m, R - 1).to(tl.int64)  # rows past the expert's end: in bounds, never stored
+        if GATHER:
+            rows_a = tl.load(a_rows_ptr + rows_a, mask=m_mask, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        cols_b = tl.minimum(offs_n, N - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        expert64 = expert.to(tl.int64)
+
+        a_ptrs = a_ptr + rows_a[:, None] * K + offs_k[None, :]
+        b_ptrs = b_ptr + expert64 * stride_bl + cols_b[None, :] * K + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        up_shift = N * K
+        b_row = expert * (2 * N if GATE_UP else N) + pid_n * BLOCK_N  # B's first row of the tile, as [L * N, K]
+        if FP8:
+            if not QUANT_A:
+                a_scale_ptrs = a_scale_ptr + rows_a * G_A
+            if TILE_B_SCALE:
+                b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (pid_n * BLOCK_N // SCALE_GROUP) * stride_bsn
+                up_scale_ptrs = b_scale_ptrs + (N // SCALE_GROUP) * stride_bsn
+            else:
+                b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
+                up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
+
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(0, mine * k_steps):
-            kb = step % k_steps
-            expert64, row0, offs_m, m_mask, rows_a, pid_n, offs_n, cols_b, b_row = _tile_operands(
-                pid + (step // k_steps) * programs, e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n,
-                a_rows_ptr, R, N, GATHER, GATE_UP, BLOCK_M, BLOCK_N, GROUP_M)
-            acc, acc_up = _k_block(acc, acc_up, kb * BLOCK_K, a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                                   expert64, row0, rows_a, pid_n, cols_b, b_row, N, K, stride_bl, stride_bsl,
-                                   stride_bsn, G_A, GATE_UP, FP8, TMA_A, TMA_B, TILE_B_SCALE, QUANT_A, UPCAST, IEEE,
-                                   EVEN_K, BLOCK_N, BLOCK_K, SCALE_GROUP)
-            if kb == k_steps - 1:
-                _epilogue(acc, acc_up, offs_m, m_mask, offs_n, pid_n, c_ptr, c_scale_ptr, row_scale_ptr, N, G_C,
-                          GATE_UP, HAS_ROW_SCALE, QUANT_OUT, UPCAST)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        for tile in range(pid, num_tiles_m * num_tiles_n, programs):
-            expert64, row0, offs_m, m_mask, rows_a, pid_n, offs_n, cols_b, b_row = _tile_operands(
-                tile, e, base, count, tiles, tiles_end, num_tiles_m, num_tiles_n, a_rows_ptr, R, N, GATHER,
-                GATE_UP, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                acc, acc_up = _k_block(acc, acc_up, k0, a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                                       expert64, row0, rows_a, pid_n, cols_b, b_row, N, K, stride_bl, stride_bsl,
-                                       stride_bsn, G_A, GATE_UP, FP8, TMA_A, TMA_B, TILE_B_SCALE, QUANT_A, UPCAST,
-                                       IEEE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_GROUP)
-            _epilogue(acc, acc_up, offs_m, m_mask, offs_n, pid_n, c_ptr, c_scale_ptr, row_scale_ptr, N, G_C,
-                      GATE_UP, HAS_ROW_SCALE, QUANT_OUT, UPCAST)
+        for k0 in range(0, K, BLOCK_K):
+            if TMA_A:
+                a = a_desc.load([row0, k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < K - k0)[None, :], other=0.0)
+            if TMA_B:
+                b = b_desc.load([b_row, k0]).T
+                if GATE_UP:
+                    b_up = b_desc.load([b_row + N, k0]).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs)
+                if GATE_UP:
+                    b_up = tl.load(b_ptrs + up_shift)
+            else:
+                b = tl.load(b_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
+                if GATE_UP:
+                    b_up = tl.load(b_ptrs + up_shift, mask=(offs_k < K - k0)[:, None], other=0.0)
+            if QUANT_A:
+                a32 = a.to(tl.float32)
+                a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), MIN_AMAX_C), FP8_MAX_C)
+                a = tl.minimum(tl.maximum(tl.math.div_rn(a32, a_s[:, None]), -FP8_MAX_C), FP8_MAX_C)
+                a = to_fp8(a, b.dtype, UPCAST)
+            if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp8 tiles
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+                if GATE_UP:
+                    b_up = b_up.to(tl.float32)
+            if FP8:
+                g = k0 // SCALE_GROUP
+                if not QUANT_A:
+                    a_s = tl.load(a_scale_ptrs + g)
+                if TILE_B_SCALE:
+                    acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
+                    if GATE_UP:
+                        acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
+                else:
+                    acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
+                    if GATE_UP:
+                        acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
+            elif IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+                if GATE_UP:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+                if GATE_UP:
+                    acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+
+        if GATE_UP:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if HAS_ROW_SCALE:
+            acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+
+        rows_c = offs_m.to(tl.int64)
+        c_ptrs = c_ptr + rows_c[:, None] * N + offs_n[None, :]
+        c_mask = m_mask[:, None] & n_mask[None, :]
+        if QUANT_OUT:
+            # Columns past N repeat column N-1 (clamped pointer loads; the launcher keeps TMA off B here),
+            # so the group's amax is that of its real columns.
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(c_ptrs, to_fp8(q, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _check_operands(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
@@ -437,7 +388,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         HAS_ROW_SCALE=row_scale is not None,
         TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0),
         QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
-        IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0, FLAT=cfg.flat,
+        IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
         L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK, GDC=gdc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
