@@ -6,7 +6,8 @@
 # NPROC (2 to 8, default 2): ranks of the multi-GPU tests (as EPMOE_GPU_RANKS), of check, demo and
 # layer (--nproc) and of the dispatch benchmarks (--ranks); the EP4/EP8 runs of issue 6 set it.
 # OUT: folder for logs and JSON (default ./results). STAGES: comma-separated subset of
-#   env, tests (1-GPU tests), tests2 (2-GPU tests), check, demo, experts, moe, dispatch, ll, layer, gemm,
+#   env, tests (1-GPU tests), tests2 (2-GPU tests), unmarked (the tests marked neither, as README's test command
+#   runs them on a GPU machine: ~6-9 min on an H100), check, demo, experts, moe, dispatch, ll, layer, gemm,
 #   profile (scripts/moe_profile.py: the local block's kernels, one by one), soak (epmoe soak),
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
@@ -24,7 +25,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,check,demo,experts,moe,generate,dispatch,ll,layer,gemm,soak}"
+STAGES="${2:-env,tests,tests2,unmarked,check,demo,experts,moe,generate,dispatch,ll,layer,gemm,soak}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -93,6 +94,7 @@ pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
 stage env      env_report
 stage tests    pytest_gpu "gpu and not gpu2" tests_gpu1
 stage tests2   pytest_gpu "gpu2" tests_gpu2
+stage unmarked pytest_gpu "not gpu and not gpu2" tests_unmarked
 stage check    "${EPMOE[@]}" check --device cuda --nproc "$NPROC"
 stage demo     "${EPMOE[@]}" demo --device cuda --nproc "$NPROC"
 stage experts  "${EPMOE[@]}" bench experts --out "$OUT"

@@ -113,8 +113,10 @@ def routed_call(model_type: str, tokens: int = 24):
         model(input_ids=torch.randint(VOCAB, (1, tokens), generator=torch.Generator().manual_seed(1)), use_cache=False)
     for hook in hooks:
         hook.remove()
-    out = seen["router"]
-    logits = (out if isinstance(out, torch.Tensor) else out[0]).reshape(tokens, -1).float()
+    out = seen["router"]  # the logits, or a tuple holding them (with the top-k ids and weights, in some order)
+    logits = next(t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-1] == 12)
+    logits = logits.reshape(tokens, -1).float()
     _, ids, weights = seen["experts"]
     return config, logits, None if bias is None else bias.float(), ids.reshape(tokens, -1), weights.reshape(tokens, -1)
 

@@ -1,4 +1,5 @@
-"""The `epmoe` command on CPU: demo and check on two gloo ranks, bench delegation."""
+"""The `epmoe` command on CPU (`--device cpu`, also where there is a GPU): demo and check on two gloo ranks,
+bench delegation."""
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ def _run(*args, timeout=240):
 
 
 def test_demo_two_ranks():
-    r = _run("demo", "--nproc", "2", "-T", "9", "-D", "64", "-F", "32", "--repeats", "1")
+    r = _run("demo", "--device", "cpu", "--nproc", "2", "-T", "9", "-D", "64", "-F", "32", "--repeats", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stderr == ""  # no warnings
     assert "skipped: dispatcher local" in r.stdout and "single rank" in r.stdout
@@ -32,7 +33,7 @@ def test_demo_two_ranks():
 
 
 def test_check_two_ranks():
-    r = _run("check", "--nproc", "2")
+    r = _run("check", "--device", "cpu", "--nproc", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert any(line.startswith("t0_on_rank0") and "PASS" in line for line in lines)
@@ -41,8 +42,8 @@ def test_check_two_ranks():
 
 
 def test_bench_layer_writes_json(tmp_path):
-    r = _run("bench", "layer", "--nproc", "1", "-T", "5", "-E", "8", "-D", "32", "-F", "16", "--groups", "2",
-             "--topk-groups", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
+    r = _run("bench", "layer", "--device", "cpu", "--nproc", "1", "-T", "5", "-E", "8", "-D", "32", "-F", "16",
+             "--groups", "2", "--topk-groups", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "layer.json").exists() and "local/reference" in r.stdout
     record = json.loads((tmp_path / "layer.json").read_text())
@@ -106,7 +107,7 @@ def test_check_skips_chunked_batches_for_dispatchers_without_a_host_sync():
 
 
 def test_check_runs_the_cases_named():
-    r = _run("check", "--nproc", "2", "--cases", "one_expert")
+    r = _run("check", "--device", "cpu", "--nproc", "2", "--cases", "one_expert")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
     assert rows and all(line.split()[0] == "one_expert" for line in rows), rows

@@ -86,6 +86,7 @@ def expected_rows(rank: int) -> list[torch.Tensor]:
     return [r[r[:, 0].argsort()] for r in out]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", ["ht", "ll"])
 def test_symmetric_dispatchers_emulated_8_ranks(name):
     cfg = _cfg()

@@ -9,7 +9,7 @@ import torch
 
 from epmoe.kernels.graph_io import IOTable, rows_contiguous
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interpreter)] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -163,7 +163,7 @@ def test_fused_moe_takes_a_dispatcher_built_for_its_config():
     weights = make_weights(cfg, 5, "cpu")
     x, logits = make_tokens(cfg, 5, [6], "cpu")
     by_name = build_layer(cfg, weights, None, "local", "reference", "cpu")
-    given = epmoe.FusedMoE(cfg, dispatcher=epmoe.make_dispatcher("local", cfg), experts="reference",
+    given = epmoe.FusedMoE(cfg, dispatcher=epmoe.make_dispatcher("local", cfg), experts="reference", device="cpu",
                            shared_experts=shared_expert(cfg, weights, "cpu"))
     given.load_experts(weights.w13_END, weights.w2_EDF)
     torch.testing.assert_close(given(x, logits), by_name(x, logits), rtol=0, atol=0)

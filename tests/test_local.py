@@ -53,12 +53,14 @@ def _expect_close(moe, weights, x, ids, w, cfg) -> None:
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("experts", ["reference", "triton"])
 @pytest.mark.parametrize("E,K,T", [(8, 2, 0), (8, 2, 1), (8, 2, 33), (5, 1, 9), (4, 4, 6), (1, 1, 5)])
+@pytest.mark.interpreter
 def test_local_layer_through_the_layout_kernels(kernels_on_cpu, precision, experts, E, K, T):
     cfg = epmoe.MoEConfig(num_experts=E, top_k=K, hidden_size=72, intermediate_size=40, **precision)
     moe, weights = _layer(cfg, experts, "cpu")
     _expect_close(moe, weights, *_inputs(cfg, T, E * 10 + T, "cpu"), cfg)
 
 
+@pytest.mark.interpreter
 def test_local_layer_takes_caller_dtypes_and_all_tokens_on_one_expert(kernels_on_cpu):
     cfg = epmoe.MoEConfig(num_experts=6, top_k=3, hidden_size=40, intermediate_size=24, dtype=torch.float32)
     moe, weights = _layer(cfg, "triton", "cpu")
@@ -73,6 +75,7 @@ def test_local_layer_takes_caller_dtypes_and_all_tokens_on_one_expert(kernels_on
     _expect_close(moe, weights, x2[::2], ids2[::2], w2[::2], cfg)
 
 
+@pytest.mark.interpreter
 def test_a_path_without_backward_refuses_inputs_that_need_gradients(kernels_on_cpu):
     """The kernels record no backward: inputs that require gradients, in grad mode, are an error (not a
     silently missing gradient); the same call under torch.no_grad() runs. The reference experts with the
@@ -93,6 +96,7 @@ def test_a_path_without_backward_refuses_inputs_that_need_gradients(kernels_on_c
 
 
 @pytest.mark.parametrize("experts", ["reference", "triton"])
+@pytest.mark.interpreter
 def test_routed_scaling_reaches_the_sum_before_its_rounding(kernels_on_cpu, experts):
     """float16, a routed_scaling_factor of 0.25 and two experts whose rows are 40940 each: the sum (81880)
     is past float16's range, the scaled result (20470) is not."""
@@ -107,6 +111,7 @@ def test_routed_scaling_reaches_the_sum_before_its_rounding(kernels_on_cpu, expe
 
 
 @pytest.mark.parametrize("experts", ["reference", "triton"])
+@pytest.mark.interpreter
 def test_routed_scaling_of_bfloat16_weights_is_not_rounded_to_bfloat16(kernels_on_cpu, experts):
     """A caller's bfloat16 top-k weights times routed_scaling_factor 2.5 keep the product's float32 value
     (1 + 2^-7 times 2.5 is not a bfloat16) on its way to a float32 layer's sum."""
@@ -137,6 +142,7 @@ def test_local_layer_on_cpu_refuses_bad_ids_before_any_work():
         moe(x, weights_TK=w, ids_TK=ids)
 
 
+@pytest.mark.interpreter
 def test_device_checked_ids_poison_their_tokens_and_raise_on_the_next_call(kernels_on_cpu):
     """The kernels' id check (on a GPU by default; forced on CPU tensors here past the host check, which
     CPU inputs always get): a bad id's token is NaN, the others are right, the next call raises once."""
@@ -161,6 +167,7 @@ def test_device_checked_ids_poison_their_tokens_and_raise_on_the_next_call(kerne
     moe.check_errors()
 
 
+@pytest.mark.interpreter
 def test_a_deep_copy_of_a_layer_that_ran_catches_its_own_bad_ids(kernels_on_cpu):
     """The copy's device id check writes and reads words of its own: a bad id through the copy raises on the
     copy only (a copied word once read the original's address)."""
@@ -350,6 +357,7 @@ class _Replay:
         self.replay = run
 
 
+@pytest.mark.interpreter
 def test_graph_capture_and_replays_through_the_address_table_on_cpu(kernels_on_cpu, monkeypatch):
     """RoutedGraphs' capture and replays (epmoe.graphs) on CPU tensors, the CUDA graph replaced by running the
     captured function again and the kernels under the interpreter: two layers sharing one GraphPool, calls

@@ -48,6 +48,10 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16:
 # 2^-7 |y| + 4e-8. Twice that, plus an absolute 2^-7 for an h value whose e4m3 rounding flips.
 FP8_TOL = (2 ** -6, 2 ** -7)
 FP8_H_TOL = (0.07, 0.01)  # fp8 h itself: e4m3 rounds within 2^-4 of the value
+# rtol of h's scales (a row's amax / 448 per 128 columns) against those of the float32 reference's h: float32
+# sums as the reference's under the interpreter; on the GPU the tensor cores accumulate each 128-deep fp8 block
+# in less than float32 (measured in these small cases on an H100: up to 8.5e-3, a row of small values).
+FP8_SCALE_RTOL = {"cpu": 1e-4, "cuda": 2e-2}
 
 # Rows per expert: empty, single, crossing the 16-row tile, skewed, all empty.
 COUNTS = [[0, 0, 0], [1, 0, 0], [5, 0, 17], [33, 1, 0]]
@@ -170,9 +174,12 @@ def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, block_k,
     assert h.dtype == torch.float8_e4m3fn and hs.shape == (R, -(-F // 128))
     mask = valid_mask(rows, R)
     h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
-    torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0],
-                               atol=FP8_H_TOL[1])
-    torch.testing.assert_close(hs[mask], quantize_act_ref(h_ref)[1][mask], rtol=1e-4, atol=0)
+    if DEVICE.type == "cpu":  # float32 sums as the reference's
+        torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0],
+                                   atol=FP8_H_TOL[1])
+    else:  # the tensor cores' fp8 sums: up to 5 of 1584 values a step off in these cases on an H100
+        assert_fp8_h_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], flips=1e-2)
+    torch.testing.assert_close(hs[mask], quantize_act_ref(h_ref)[1][mask], rtol=FP8_SCALE_RTOL[DEVICE.type], atol=0)
     y = down(h, q2, rows, h_scale_RG=hs, w2_scale=s2, out_dtype=torch.bfloat16, config=cfg)
     y_ref = down_ref(h, q2, rows, h_scale_RG=hs, w2_scale=s2)
     torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
@@ -326,8 +333,10 @@ def test_triton_experts_match_reference_experts(dtype, quant, fp8_input, layout,
     y, y_ref = triton_experts(batch), reference(batch)
     assert y.shape == batch.x.shape and y.dtype == dtype
     mask = batch_rows_mask(batch)
-    rtol, atol = FP8_TOL if quant else TOL[dtype]
-    torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=rtol, atol=atol)
+    if quant:
+        assert_fp8_y_close(y[mask].float(), y_ref[mask].float())
+    else:
+        torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
 @pytest.mark.parametrize("dtype,quant,fp8_input", CASES)
@@ -341,8 +350,10 @@ def test_triton_experts_read_rows_through_the_row_index(dtype, quant, fp8_input,
     y, y_ref = triton_experts(batch), reference(batch.materialize())
     assert y.shape == batch.out_shape and y.dtype == dtype
     mask = batch_rows_mask(batch)
-    rtol, atol = FP8_TOL if quant else TOL[dtype]
-    torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=rtol, atol=atol)
+    if quant:
+        assert_fp8_y_close(y[mask].float(), y_ref[mask].float())
+    else:
+        torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
 def test_fused_moe_with_triton_experts_matches_reference():
@@ -746,7 +757,7 @@ def test_a_down_is_launched_as_its_gate_ups_dependent_where_its_config_says(monk
 
     kernels = []
 
-    class Spy:  # the pointer kernel's launch, on the CPU tensors as if they were on that GPU
+    class Spy:  # the pointer kernel's launch, on the tensors as if they were on that GPU
         def __getitem__(self, grid):
             return lambda *args, **kwargs: kernels.append((kwargs["GATE_UP"], kwargs["GDC"],
                                                            kwargs.get("launch_pdl", False)))
@@ -756,7 +767,7 @@ def test_a_down_is_launched_as_its_gate_ups_dependent_where_its_config_says(monk
         w13, w2 = weights(2, 64, 32)
         rows, R = make_rows([3, 5], False)
         cfg = configs.INTERPRETER_CONFIG
-        h, _ = gate_up(torch.randn(R, 64), w13, rows, config=cfg)
+        h, _ = gate_up(torch.randn(R, 64, device=DEVICE), w13, rows, config=cfg)
         for pdl, follows in ((True, True), (True, False), (False, True)):
             down(h, w2, rows, config=dataclasses.replace(cfg, pdl=pdl), follows_gate_up=follows)
     assert kernels == [(True, trigger, False), (False, wait, True), (False, none, False), (False, none, False)]
@@ -850,12 +861,13 @@ def test_dependent_down_matches_gpu(fp8, up_cfg, cfg, batched, counts):
         assert torch.equal(got, want[i]), f"replay {i}"
 
 
-def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor) -> None:
-    """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values a
-    float32 sum in another order rounds to the neighbouring e4m3 value (one step: 2^-3 relative)."""
+def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor, flips: float = 1e-4) -> None:
+    """fp8 h against the float32 reference: within e4m3's rounding (FP8_H_TOL), except a few values (at most
+    the fraction `flips` of them, or one) that a sum in another order or precision rounds to the neighbouring
+    e4m3 value (one step: 2^-3 relative)."""
     err = (h - h_ref).abs()
     bad = err > FP8_H_TOL[1] + FP8_H_TOL[0] * h_ref.abs()
-    assert int(bad.sum()) <= max(1, 1e-4 * h.numel()), f"{int(bad.sum())} of {h.numel()} beyond e4m3 rounding"
+    assert int(bad.sum()) <= max(1, flips * h.numel()), f"{int(bad.sum())} of {h.numel()} beyond e4m3 rounding"
     assert bool((err <= 0.13 * h_ref.abs() + FP8_H_TOL[1]).all())
 
 
@@ -1074,6 +1086,17 @@ def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
     else:
         rtol, atol = TOL[torch.bfloat16]
         torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+
+
+def assert_fp8_y_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
+    """Outputs computed from fp8 h against the float32 reference: elementwise within FP8_TOL under the
+    interpreter (float32 sums, as the reference's); on the GPU as `assert_fp8_outputs_close`, since an h value
+    whose e4m3 rounding flips there moves its whole output row (one row of 23 beyond FP8_TOL in 46 of 136
+    columns, relative L2 error 4.9e-3, in a small case on an H100)."""
+    if DEVICE.type == "cpu":
+        torch.testing.assert_close(y, y_ref, rtol=FP8_TOL[0], atol=FP8_TOL[1])
+    else:
+        assert_fp8_outputs_close(y, y_ref)
 
 
 def assert_fp8_outputs_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
