@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from epmoe.bench.experts import SHAPES
 from epmoe.timing import flushed_ms
 from flush_probe import plain_read  # scripts/, on sys.path as the running script's folder
 from mlp_parts import mlp_calls
@@ -70,7 +69,6 @@ def main() -> None:
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}; µs flushed (zeroing 256 MiB)")
     for name in args.points:
-        D, F, L = SHAPES[name]
         calls, (_, _, _, (w13, w2)) = mlp_calls(name, 16, True, 1 << 30)
         real = {tag: flushed_ms(calls[op], args.rep_ms) * 1e3 for tag, op in (("w13", "gate_up"), ("w2", "down"))}
         for tag, w in (("w13", w13), ("w2", w2)):

@@ -333,10 +333,7 @@ def test_triton_experts_match_reference_experts(dtype, quant, fp8_input, layout,
     y, y_ref = triton_experts(batch), reference(batch)
     assert y.shape == batch.x.shape and y.dtype == dtype
     mask = batch_rows_mask(batch)
-    if quant:
-        assert_fp8_y_close(y[mask].float(), y_ref[mask].float())
-    else:
-        torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert_outputs_close(y[mask].float(), y_ref[mask].float(), dtype, quant)
 
 
 @pytest.mark.parametrize("dtype,quant,fp8_input", CASES)
@@ -350,10 +347,7 @@ def test_triton_experts_read_rows_through_the_row_index(dtype, quant, fp8_input,
     y, y_ref = triton_experts(batch), reference(batch.materialize())
     assert y.shape == batch.out_shape and y.dtype == dtype
     mask = batch_rows_mask(batch)
-    if quant:
-        assert_fp8_y_close(y[mask].float(), y_ref[mask].float())
-    else:
-        torch.testing.assert_close(y[mask].float(), y_ref[mask].float(), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert_outputs_close(y[mask].float(), y_ref[mask].float(), dtype, quant)
 
 
 def test_fused_moe_with_triton_experts_matches_reference():
@@ -1081,19 +1075,17 @@ def test_triton_experts_real_shapes_gpu(D, F, quant, layout, indexed):
     batch = batch_for(counts, layout, D, torch.bfloat16, pad=5, indexed=indexed)
     mask = batch_rows_mask(batch)
     y, y_ref = triton_experts(batch)[mask].float(), reference(batch)[mask].float()
-    if quant:
-        assert_fp8_outputs_close(y, y_ref)
-    else:
-        rtol, atol = TOL[torch.bfloat16]
-        torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+    assert_outputs_close(y, y_ref, torch.bfloat16, quant)
 
 
-def assert_fp8_y_close(y: torch.Tensor, y_ref: torch.Tensor) -> None:
-    """Outputs computed from fp8 h against the float32 reference: elementwise within FP8_TOL under the
-    interpreter (float32 sums, as the reference's); on the GPU as `assert_fp8_outputs_close`, since an h value
-    whose e4m3 rounding flips there moves its whole output row (one row of 23 beyond FP8_TOL in 46 of 136
-    columns, relative L2 error 4.9e-3, in a small case on an H100)."""
-    if DEVICE.type == "cpu":
+def assert_outputs_close(y: torch.Tensor, y_ref: torch.Tensor, dtype: torch.dtype, quant: str | None) -> None:
+    """The experts' outputs (stored in dtype) against the reference's: unquantized within TOL[dtype]; from fp8
+    h elementwise within FP8_TOL under the interpreter (float32 sums, as the reference's), on the GPU as
+    `assert_fp8_outputs_close`, since an h value whose e4m3 rounding flips there moves its whole output row
+    (one row of 23 beyond FP8_TOL in 46 of 136 columns, relative L2 error 4.9e-3, in a small case on an H100)."""
+    if not quant:
+        torch.testing.assert_close(y, y_ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    elif DEVICE.type == "cpu":
         torch.testing.assert_close(y, y_ref, rtol=FP8_TOL[0], atol=FP8_TOL[1])
     else:
         assert_fp8_outputs_close(y, y_ref)
