@@ -23,7 +23,6 @@ import sys
 from typing import Callable, NoReturn, Sequence
 
 import torch
-import torch.distributed as dist
 
 from . import launch
 from .demo import CPU_SPEC, GPU_SPEC, LayerSpec
@@ -101,7 +100,7 @@ def run_ranks(fn: Callable[..., int], device: str, world_size: int, args: tuple 
         try:
             return fn(ctx, *args)
         finally:
-            dist.destroy_process_group()
+            launch.close_rank()
     return max(launch.spawn(fn, world_size, device, args))
 
 

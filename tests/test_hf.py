@@ -3,8 +3,10 @@
 save_pretrained round trips, expert parallelism on one rank, presets at the real shapes; and the configs and
 state-dict helpers for epmoe's own FusedMoE."""
 import copy
+import gc
 import json
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -248,6 +250,26 @@ def test_expert_parallel_one_rank(family):
     assert rel_error(logits, ref_logits) <= TOLERANCES["fp32"] and torch.equal(tokens, ref_tokens)
     with pytest.raises(ValueError, match="expert-parallel already"):
         epmoe.hf.expert_parallel(model, None)
+
+
+@pytest.mark.parametrize("convert", ["backend", "expert_parallel"])
+def test_a_dropped_model_frees_its_experts_without_the_garbage_collector(convert):
+    """A model run through epmoe is freed by reference counting alone, layers and the group they hold with it:
+    a reference cycle kept them to the next collection, or to interpreter exit (where a gloo group aborted)."""
+    model = hf_models.tiny_model("qwen3_moe")
+    if convert == "backend":
+        model.set_experts_implementation("epmoe")
+    else:
+        epmoe.hf.expert_parallel(model, None, options=EPOptions(experts="reference"))
+    with torch.no_grad():
+        model(hf_models.prompts(0, 2, 5))
+    freed = [weakref.ref(m) for _, m in experts_modules(model)]
+    gc.disable()
+    try:
+        del model
+        assert [r() for r in freed] == [None] * len(freed)
+    finally:
+        gc.enable()
 
 
 def test_expert_parallel_decode_limit_and_a_model_run_through_the_backend_before():

@@ -15,6 +15,7 @@ Shape letters: B batch, S sequence, T tokens of this rank, D hidden size, E expe
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +68,19 @@ class ExpertParallelExperts:
     """An experts module's forward under expert parallelism (installed as the module's `forward`).
 
     prefill, decode: FusedMoE layers over the group, whose experts view the same local weights (decode may
-    be prefill); phase: the model's Phase.
+    be prefill); phase: the model's Phase. The module is held weakly: installed in it, a strong reference
+    would be a cycle, and a dropped model's layers (and the process group they hold) would wait for the
+    garbage collector.
     """
 
     def __init__(self, module: torch.nn.Module, prefill: FusedMoE, decode: FusedMoE, phase: Phase) -> None:
-        self.module, self.prefill, self.decode, self.phase = module, prefill, decode, phase
+        self._module = weakref.ref(module)
+        self.prefill, self.decode, self.phase = prefill, decode, phase
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """[T, D] tokens with the router's global ids int [T, K] and weights float [T, K] -> [T, D]."""
-        check_inference(self.module, hidden_states, top_k_weights)
+        check_inference(self._module(), hidden_states, top_k_weights)
         moe = self.decode if self.phase.decode else self.prefill
         if not self.phase.idle:
             return run_moe(moe, hidden_states, top_k_index, top_k_weights)

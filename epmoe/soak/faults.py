@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import MoEConfig
-from ..launch import _die_with_parent, free_port, init_rank
+from ..launch import _die_with_parent, close_rank, free_port, init_rank
 from ..oracle import MoERef
 from ..testing import build_layer, layer_oracle, make_weights, rel_error, tolerance
 from .load import emulated_available, emulated_step, emulated_world
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, init_method: str, fn, args: tuple, queue, lau
     try:
         fn(ctx, lambda outcome: queue.put(pickle.dumps(outcome)), *args)
     finally:
-        dist.destroy_process_group()
+        close_rank()
 
 
 def run_ranks(fn, world: int, args: tuple, deadline_s: float) -> tuple[list[Outcome], list[int | None]]:
