@@ -167,12 +167,16 @@ def test_fp8_gate_up_and_down_match_reference(counts, batched, block_n, block_k,
     x = torch.randn(R, D, device=DEVICE).bfloat16()
     xq, xs = quantize_act_ref(x)
     cfg = GemmConfig(block_m=16, block_n=block_n, block_k=block_k)
+    mask = valid_mask(rows, R)
     if x_fp8:
         h, hs = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
     else:  # batched with block_k 128: quantized inside the gate-up kernel
         h, hs = gate_up(x, q13, rows, w13_scale=s13, config=cfg)
+        h_given, hs_given = gate_up(xq, q13, rows, x_scale_RG=xs, w13_scale=s13, config=cfg)
+        # x quantized as the reference does: the same h as given the reference's, bit for bit
+        assert torch.equal(h[mask].view(torch.uint8), h_given[mask].view(torch.uint8))
+        assert torch.equal(hs[mask], hs_given[mask])
     assert h.dtype == torch.float8_e4m3fn and hs.shape == (R, -(-F // 128))
-    mask = valid_mask(rows, R)
     h_ref = gate_up_ref(xq, q13, rows, x_scale_RG=xs, w13_scale=s13)
     if DEVICE.type == "cpu":  # float32 sums as the reference's
         torch.testing.assert_close(dequantize_act_ref(h, hs)[mask], h_ref[mask], rtol=FP8_H_TOL[0],
