@@ -9,7 +9,9 @@ tuned buckets (128 rows and up) on routed counts, where an expert's rows past a 
 take a tile more (`epmoe bench experts --tune` times exactly t rows per expert): the tuner's
 warp-specialized and pointer candidates, and 64-row tiles of both kernels; "ws", for the decode buckets:
 the warp-specialized kernel's 64-row tiles (cooperative and interleaved; and the split schedule's 128-row
-tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "table",
+tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "swap",
+pointer-kernel tiles with swap_ab (the weights on the wgmma's M side, 16 to 64 of an expert's rows on its N
+side), pointer or TMA loads; "table",
 none (the table's config alone, to compare tables). --contiguous: the gate-up reads a copy of the routed
 rows in order (as `epmoe bench experts` times it, with the plain table's entries) instead of through the
 row index (the `_indexed` entries); --batched: the rows in ll's batched layout on one rank, a slot of T
@@ -17,7 +19,7 @@ rows per expert (the plain entries, chosen for the mean rows per expert as Trito
 the down without the top-k weights).
 
     python3 scripts/decode_sweep.py [--points qwen3-30b-a3b:256 ...] [--quant bf16|fp8_block]
-        [--pool pointer|prefill|ws|table] [--contiguous | --batched] [--out DIR]
+        [--pool pointer|prefill|ws|swap|table] [--contiguous | --batched] [--out DIR]
 
 Per point (shape:T) and op, each candidate is checked against the table's config (the same output
 within rounding: 1e-2 relative) and timed (the mean of --iters back-to-back calls queued behind a spin
@@ -58,6 +60,19 @@ def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
         if stage * stages > POINTER_STAGE_BYTES:
             continue
         out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
+    return out
+
+
+def swap_candidates(gate: bool, fp8: bool) -> list[GemmConfig]:
+    """Pointer-kernel tiles with swap_ab: 16, 32 or 64 of an expert's rows (the wgmma's N side) against 128
+    weight rows (its M side; 64 too for bf16), 128-deep K blocks, 4 warps, pointer or TMA loads, the stages
+    that fit."""
+    out = []
+    for bm, bn, stages, tma in itertools.product((16, 32, 64), (128,) if fp8 else (64, 128), (3, 4), (False, True)):
+        if (bm + (2 if gate else 1) * bn) * 128 * (1 if fp8 else 2) * stages > POINTER_STAGE_BYTES:
+            continue
+        out.append(GemmConfig(block_m=bm, block_n=bn, block_k=128, group_m=1, num_warps=4, num_stages=stages, tma=tma,
+                              swap_ab=True))
     return out
 
 
@@ -186,7 +201,7 @@ def main() -> None:
                                                     "deepseek-v3:256", "qwen3-30b-a3b:1024", "deepseek-v2-lite:1024",
                                                     "mixtral-8x7b:128", "deepseek-v3:1024"])
     p.add_argument("--quant", choices=["bf16", "fp8_block"], default="bf16")
-    p.add_argument("--pool", choices=["pointer", "prefill", "ws", "table"], default="pointer",
+    p.add_argument("--pool", choices=["pointer", "prefill", "ws", "swap", "table"], default="pointer",
                    help="table: no candidates, the table's config timed first and last")
     layout = p.add_mutually_exclusive_group()
     layout.add_argument("--contiguous", action="store_true", help="the gate-up reads the routed rows copied in order")
@@ -216,6 +231,7 @@ def main() -> None:
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
                     else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"
+                    else swap_candidates(gate, fp8) if args.pool == "swap"
                     else prefill_candidates(gate) if args.pool == "prefill" else [])
             table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []

@@ -12,11 +12,12 @@
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
 #   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
+#   swap (scripts/decode_sweep.py --pool swap: the pointer kernel's swap_ab tiles at decode sizes, against the table),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
 #   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4";
 #   AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile, host, decode and ab). Each stage runs on its own: a failing stage is recorded and the next
+# profile, hfprofile, host, decode, swap and ab). Each stage runs on its own: a failing stage is recorded and the next
 # one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
@@ -72,6 +73,14 @@ decode_sweeps() {
         mixtral-8x7b:16 mixtral-8x7b:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024
 }
 
+swap_sweeps() {
+    "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --pool swap --quant fp8_block --out "$OUT/swap_fp8" --points \
+        qwen3-30b-a3b:128 qwen3-30b-a3b:256 qwen3-30b-a3b:512 deepseek-v2-lite:256 deepseek-v2-lite:512 \
+        deepseek-v3:256 || return 1
+    "${LIMIT[@]}" "$PY" scripts/decode_sweep.py --pool swap --out "$OUT/swap_bf16" --points \
+        qwen3-30b-a3b:128 qwen3-30b-a3b:256 deepseek-v2-lite:256 deepseek-v3:256
+}
+
 table_ab() {
     [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
     local new=() setting; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
@@ -108,6 +117,7 @@ stage layer    "${EPMOE[@]}" bench layer --device cuda --nproc "$NPROC" --out "$
 stage gemm     "${EPMOE[@]}" bench experts --tune --out "$OUT"
 stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 16384 --out "$OUT"
 stage decode   decode_sweeps
+stage swap     swap_sweeps
 stage ab       table_ab
 stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 

@@ -101,13 +101,14 @@ def _pointer_config(op: str, dtype: str, bound: int, gather: bool | None, gpu: s
 
 
 def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None,
-                    dependent: bool = False, gpu: str = ""):
-    """The pointer kernel as the launcher runs it on Hopper (`_pointer_config`); a gate-up lets its dependent
-    start early, a dependent down waits for it."""
+                    dependent: bool = False, gpu: str = "", swap: bool = False):
+    """The pointer kernel as the launcher runs it on Hopper (`_pointer_config`; swap: with swap_ab set); a
+    gate-up lets its dependent start early, a dependent down waits for it."""
     from epmoe.kernels.grouped_gemm import GDC_NONE, GDC_TRIGGER, GDC_WAIT, _grouped_gemm_kernel
     fp8 = dtype == "fp8e4nv"
     gate = op == "gate_up"
     cfg, gather = _pointer_config(op, dtype, bound, gather, gpu)
+    cfg = dataclasses.replace(cfg, swap_ab=swap)
     quant_out = gate and fp8 and cfg.block_n == 128
     a = "*bf16" if quant_a else f"*{dtype}"
     c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
@@ -125,7 +126,7 @@ def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool
         BATCHED=bound <= 64 and not gather, GATHER=gather, GATE_UP=gate, FP8=fp8, QUANT_OUT=quant_out, HAS_ROW_SCALE=not gate,
         TILE_B_SCALE=fp8 and cfg.block_n <= 128, QUANT_A=quant_a, UPCAST=False, IEEE=dtype == "fp32",
         EVEN_K=True, L_POW2=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SCALE_GROUP=128,
+        GROUP_M=cfg.group_m, SCALE_GROUP=128, SWAP_AB=cfg.swap_ab,
         GDC=(GDC_TRIGGER if gate else GDC_WAIT if dependent else GDC_NONE).value)
     kernel = compile_hopper(_grouped_gemm_kernel, signature, constexprs,
                             ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_bl"], cfg.num_warps, cfg.num_stages)
@@ -214,16 +215,18 @@ MEASURED_SPILLS_B = {("gate_up", "fp8e4nv", (128, 128, 128, 8, 3)): 24}
 
 
 def pointer_jobs() -> list:
-    """("pointer", op, dtype, bound, quant_a, gather, dependent, gpu) of every pointer-kernel launch of every
-    committed table, once per distinct kernel."""
+    """("pointer", op, dtype, bound, quant_a, gather, dependent, gpu, swap) of every pointer-kernel launch of
+    every committed table, once per distinct kernel, and (swap) each bf16 and fp8 one of the hand-set buckets
+    with swap_ab set."""
     jobs = []
     for gpu in table_gpus():
-        jobs += [job + (gpu,) for job in _pointer_jobs(gpu)]
+        jobs += [job + (gpu, swap) for job in _pointer_jobs(gpu)
+                 for swap in ((False, True) if job[3] <= 64 and job[2] != "fp32" else (False,))]
     kernels = {}
     for job in jobs:
-        _, op, dtype, bound, quant_a, gather, dependent, gpu = job
+        _, op, dtype, bound, quant_a, gather, dependent, gpu, swap = job
         cfg, gathered = _pointer_config(op, dtype, bound, gather, gpu)
-        kernels.setdefault((op, dtype, cfg, quant_a, gathered, bound <= 64 and not gathered, dependent), job)
+        kernels.setdefault((op, dtype, cfg, quant_a, gathered, bound <= 64 and not gathered, dependent, swap), job)
     return list(kernels.values())
 
 
@@ -262,8 +265,8 @@ def run_job(job) -> tuple[str, list[str]]:
         check_spills = True
         dependent = cfg.pdl
     else:
-        _, op, dtype, bound, quant_a, gather, dependent, gpu = job
-        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather, dependent, gpu)
+        _, op, dtype, bound, quant_a, gather, dependent, gpu, swap = job
+        kernel, cfg = _pointer_kernel(op, dtype, bound, quant_a, gather, dependent, gpu, swap)
         tag = (f"{op} {dtype}{' (x quantized in kernel)' if quant_a else ''}{' gather' if gather else ''}"
                f"{' dependent' if dependent else ''} rows<={bound} {cfg}")
         serialized = False
@@ -290,6 +293,8 @@ def run_job(job) -> tuple[str, list[str]]:
         failures.append(f"{tag}: {spills} B of register spills")
     if serialized:
         failures.append(f"{tag}: ptxas serializes its wgmma")
+    if cfg.swap_ab and "wgmma" not in kernel.asm["ptx"]:  # the weights fill the wgmma's 64-row M side
+        failures.append(f"{tag}: swap_ab without wgmma")
     return f"{tag}: shared {shared} B, spills {spills} B{', wgmma serialized' if serialized else ''}", failures
 
 

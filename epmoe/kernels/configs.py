@@ -64,6 +64,9 @@ class GemmConfig:
     programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
     their tile map (and prefetch their first tiles' weights into L2) meanwhile, and wait for the gate-up to
     end (griddepcontrol.wait) before they read h or write.
+    swap_ab (pointer kernel): each tile's product is taken transposed, the weights' block_n rows on the
+    MMA's M side and the expert's block_m rows on its N side, so that a decode tile of 16 rows fills a
+    64-row wgmma with weights rather than with padding rows (the same result).
     """
 
     block_m: int
@@ -77,6 +80,7 @@ class GemmConfig:
     pipe_mma: bool = False
     claim_tiles: bool = False
     pdl: bool = False
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m"):
@@ -94,6 +98,8 @@ class GemmConfig:
             if self.num_warps != warps or self.block_m < rows or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
                                  f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
+            if self.swap_ab:
+                raise ValueError(f"GemmConfig.swap_ab is the pointer kernel's, not warp_specialize's: {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
         if self.claim_tiles and (self.warp_specialize != "cooperative" or self.num_stages > CLAIM_MAX_STAGES):

@@ -112,7 +112,7 @@ def _grouped_gemm_kernel(
         BATCHED: tl.constexpr, GATHER: tl.constexpr, GATE_UP: tl.constexpr, FP8: tl.constexpr, QUANT_OUT: tl.constexpr,
         TMA_A: tl.constexpr, TMA_B: tl.constexpr,
         HAS_ROW_SCALE: tl.constexpr, TILE_B_SCALE: tl.constexpr, QUANT_A: tl.constexpr, UPCAST: tl.constexpr,
-        IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+        IEEE: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
         L_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, SCALE_GROUP: tl.constexpr, GDC: tl.constexpr):
     """C[rows of l] = A[rows of l] @ B[l]^T (GATE_UP: silu(A B_gate^T) * (A B_up^T), B_up = rows N.. of B).
@@ -127,6 +127,9 @@ def _grouped_gemm_kernel(
     its weight scale is one scalar per K block instead of a vector.
     QUANT_A: A is unquantized and quantized here per row per 128 columns, one K block (BLOCK_K == 128)
     at a time, as `quantize_act` would (same scales and rounding); rows past the counts are never read.
+    SWAP_AB: each K block's product is taken as B_tile A_tile^T ([BLOCK_N, BLOCK_M]: the weights' rows on the
+    MMA's M side, the expert's rows on its N side) and the sum transposed before the epilogue; the same
+    result, but a decode tile of 16 rows fills Hopper's 64-row wgmma with weights instead of padding rows.
     GDC (grid dependency control, on Hopper; `_gdc`): GDC_TRIGGER lets a programmatic dependent
     launch start as soon as every program has begun; GDC_WAIT (the kernel launched as one) builds the tile
     map, then waits for the grid before it to end before it reads A or writes.
@@ -184,8 +187,12 @@ def _grouped_gemm_kernel(
                 b_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + (cols_b // SCALE_GROUP) * stride_bsn
                 up_scale_ptrs = b_scale_ptr + expert64 * stride_bsl + ((cols_b + N) // SCALE_GROUP) * stride_bsn
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if TMA_A:
                 a = a_desc.load([row0, k0])
@@ -219,27 +226,20 @@ def _grouped_gemm_kernel(
                 g = k0 // SCALE_GROUP
                 if not QUANT_A:
                     a_s = tl.load(a_scale_ptrs + g)
-                if TILE_B_SCALE:
-                    acc += tl.dot(a, b) * (a_s * tl.load(b_scale_ptrs + g))[:, None]
-                    if GATE_UP:
-                        acc_up += tl.dot(a, b_up) * (a_s * tl.load(up_scale_ptrs + g))[:, None]
-                else:
-                    acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scale_ptrs + g)[None, :]
-                    if GATE_UP:
-                        acc_up += tl.dot(a, b_up) * a_s[:, None] * tl.load(up_scale_ptrs + g)[None, :]
-            elif IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
+                acc += _scaled_dot(a, b, a_s, b_scale_ptrs + g, TILE_B_SCALE, SWAP_AB)
                 if GATE_UP:
-                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                    acc_up += _scaled_dot(a, b_up, a_s, up_scale_ptrs + g, TILE_B_SCALE, SWAP_AB)
             else:
-                acc = tl.dot(a, b, acc)
+                acc = _dot(a, b, acc, IEEE, SWAP_AB)
                 if GATE_UP:
-                    acc_up = tl.dot(a, b_up, acc_up)
+                    acc_up = _dot(a, b_up, acc_up, IEEE, SWAP_AB)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
         if GATE_UP:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if SWAP_AB:
+            acc = tl.trans(acc)
         if HAS_ROW_SCALE:
             acc = acc * tl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
 
@@ -255,6 +255,37 @@ def _grouped_gemm_kernel(
             tl.store(c_scale_ptr + rows_c * G_C + pid_n, scale, mask=m_mask)
         else:
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + a @ b, a [BLOCK_M, BLOCK_K] and b [BLOCK_K, BLOCK_N]; with SWAP_AB acc + b^T @ a^T."""
+    if SWAP_AB:
+        lhs, rhs = b.T, a.T
+    else:
+        lhs, rhs = a, b
+    if IEEE:
+        out = tl.dot(lhs, rhs, acc, input_precision="ieee")
+    else:
+        out = tl.dot(lhs, rhs, acc)
+    return out
+
+
+@triton.jit
+def _scaled_dot(a, b, a_s, b_s_ptrs, TILE_B_SCALE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One fp8 K block's product, a @ b (SWAP_AB: b^T @ a^T), times the rows' scales a_s [BLOCK_M] and the
+    weights' scales at b_s_ptrs (one with TILE_B_SCALE, else [BLOCK_N]), loaded after the dot is issued."""
+    if SWAP_AB:
+        if TILE_B_SCALE:
+            out = tl.dot(b.T, a.T) * (a_s * tl.load(b_s_ptrs))[None, :]
+        else:
+            out = tl.dot(b.T, a.T) * tl.load(b_s_ptrs)[:, None] * a_s[None, :]
+    else:
+        if TILE_B_SCALE:
+            out = tl.dot(a, b) * (a_s * tl.load(b_s_ptrs))[:, None]
+        else:
+            out = tl.dot(a, b) * a_s[:, None] * tl.load(b_s_ptrs)[None, :]
+    return out
 
 
 def _check_operands(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
@@ -388,7 +419,7 @@ def _launch(a, a_scale, w, w_scale, rows: ExpertRows, out, out_scale, row_scale,
         HAS_ROW_SCALE=row_scale is not None,
         TILE_B_SCALE=fp8 and FP8_BLOCK % cfg.block_n == 0 and (not gate_up or N % FP8_BLOCK == 0),
         QUANT_A=fp8 and a.dtype != FP8_DTYPE, UPCAST=a.device.type == "cpu",
-        IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0,
+        IEEE=a.dtype == torch.float32, EVEN_K=K % cfg.block_k == 0, SWAP_AB=cfg.swap_ab,
         L_POW2=max(triton.next_power_of_2(L), _MIN_EXPERT_BLOCK), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SCALE_GROUP=FP8_BLOCK, GDC=gdc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
