@@ -20,6 +20,8 @@ def test_a_known_gpu_takes_its_measured_ceilings_and_another_is_measured(monkeyp
     assert (other.bf16_tflops, other.fp8_tflops, other.copy_tbps) == (1.0, 2.0, 3.0)
     assert ceilings.device_ceilings(torch.device("cuda", 1)) is other and measured == [1]  # once a process
     assert (ceilings.H200.tflops(False), ceilings.H200.tflops(True)) == (686.0, 1276.0)
+    assert ceilings.device_name(torch.device("cuda", 1)) == "a GPU no table lists"
+    assert ceilings.device_name(torch.device("cpu")) == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

@@ -86,6 +86,12 @@ def _measured(index: int) -> Ceilings:
     return measure(torch.device("cuda", index))
 
 
+def device_name(device: torch.device) -> str:
+    """The name a benchmark's record gives its device: the CUDA GPU's (torch.cuda.get_device_name), else the
+    device type ("cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def device_ceilings(device: torch.device) -> Ceilings:
     """The ceilings of the CUDA GPU `device`: `KNOWN`'s for its name, else measured (once per process)."""
     known = KNOWN.get(torch.cuda.get_device_name(device))

@@ -47,7 +47,7 @@ from ..kernels.quant import quantize_act
 from ..quant import quantize_weights_ref
 from ..timing import flushed_ms
 from . import experts_tune
-from .ceilings import H200, Ceilings, device_ceilings
+from .ceilings import H200, Ceilings, device_ceilings, device_name
 
 SHAPES = {  # name: (D, F, L)
     "dsv3-128": (7168, 2048, 128),
@@ -184,10 +184,6 @@ def print_table(rows: list[dict]) -> None:
               f"{fmt(r.get('triton_fp8_tflops')):>8} {fmt(r.get('fp8_vs_bf16'), '.2f'):>6} "
               f"{fmt(r.get('triton_fp8_pct_floor')):>7} {fmt(r.get('bat_weight_tbps'), '.2f'):>8} "
               f"{fmt(r.get('bat_pct_copy_bw')):>5}")
-
-
-def device_name(dev: torch.device) -> str:
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
 
 
 def run_bench(args, dev: torch.device) -> dict:

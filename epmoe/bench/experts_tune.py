@@ -47,6 +47,7 @@ from ..kernels.grouped_gemm import ExpertRows, down, down_ref, gate_up, gate_up_
 from ..kernels.quant import quantize_act
 from ..quant import dequantize_act_ref, quantize_act_ref, quantize_weights_ref
 from ..timing import flushed_ms
+from .ceilings import device_name
 
 BUCKETS = (128, 256, 1_000_000_000)  # the table's bounds tuned here (rows per expert)
 # (shape, t) points each bucket is tuned on; shapes as in epmoe.bench.experts.SHAPES.
@@ -430,7 +431,6 @@ def _sweeps() -> list[tuple[str, bool, bool, int, str, int]]:
 
 
 def run_tune(args, dev: torch.device) -> dict:
-    from .experts import device_name
     t_start = time.perf_counter()
     out_dir = Path(args.out or ".")
     sweeps = _sweeps()

@@ -12,9 +12,9 @@ CUDA graph (`+graph`: one replay per call, no host work in it). Time: the slowes
 barrier. Inputs are not rotated: each call streams the experts' weights (far beyond L2) anyway.
 Also printed: how evenly the inputs route, (token, expert) rows per expert and per rank: the rank
 with the most rows has the longest expert GEMMs, and every rank's combine waits for it; and, on GPUs,
-the floor of that rank's expert MLP on an H200 (epmoe.bench.experts.mlp_floor: FLOPs at the measured
-dense peak, or weight and activation bytes at the copy bandwidth, whichever is longer; in layer.json
-on any device).
+the floor of that rank's expert MLP at the GPU's ceilings (epmoe.bench.experts.mlp_floor with
+epmoe.bench.ceilings.device_ceilings: FLOPs at the measured dense peak, or weight and activation bytes at the
+copy bandwidth, whichever is longer; in layer.json on any device, at an H200's on the CPU).
 Writes layer.json into --out when given.
 
 Shape letters: T tokens of this rank, D hidden size, E experts.
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from .._table import format_table
 from ..demo import LayerSpec, describe, rank_inputs
 from ..dispatch.ht import HtDispatcher
+from .ceilings import H200, Ceilings, device_ceilings, device_name
 from .experts import mlp_floor
 from ..launch import RankContext
 from ..registry import make_dispatcher, resolve_experts
@@ -46,10 +47,11 @@ from ..timing import max_over_ranks, median_ms
 GRAPH_DISPATCHERS = ("ll", "ht(sync_free)")
 
 
-def _expert_load(cfg, logits_TE: torch.Tensor, bias_E: torch.Tensor, group) -> dict:
+def _expert_load(cfg, logits_TE: torch.Tensor, bias_E: torch.Tensor, group, ceilings: Ceilings) -> dict:
     """How evenly the inputs route: (token, expert) rows per expert over all ranks' tokens, and per rank
-    of the expert-parallel layer (the rows its experts get). A rank with more rows has longer expert
-    GEMMs, and every rank's combine waits for it. One all-reduce, outside the timed calls."""
+    of the expert-parallel layer (the rows its experts get), and the floor of the busiest rank's expert MLP
+    at `ceilings`. A rank with more rows has longer expert GEMMs, and every rank's combine waits for it. One
+    all-reduce, outside the timed calls."""
     _, ids_TK = route(logits_TE, cfg, correction_bias_E=bias_E)
     ids = ids_TK.flatten().long()
     rows_E = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
@@ -57,10 +59,10 @@ def _expert_load(cfg, logits_TE: torch.Tensor, bias_E: torch.Tensor, group) -> d
     R = dist.get_world_size(group)
     rows_R = rows_E.view(R, -1).sum(1)
     floor = mlp_floor(int(rows_R.max()), cfg.num_experts // R, cfg.hidden_size, cfg.intermediate_size,
-                      cfg.quant == "fp8_block")
+                      cfg.quant == "fp8_block", ceilings)
     return {"rows_per_expert": {"min": int(rows_E.min()), "median": int(rows_E.median()), "max": int(rows_E.max()),
                                 "mean": float(rows_E.float().mean())},
-            "rows_per_rank": rows_R.tolist(), "experts_floor_ms_h200": floor.ms}
+            "rows_per_rank": rows_R.tolist(), "experts_floor_ms": floor.ms, "floor_ceilings": ceilings.source}
 
 
 def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, warmup: int,
@@ -69,7 +71,7 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
     inputs = rank_inputs(spec, ctx.rank, ctx.world_size, dev)
     cfg, weights, x_TD, logits_TE = inputs.cfg, inputs.weights, inputs.x_TD, inputs.logits_TE
     bias_E = weights.correction_bias_E
-    load = _expert_load(cfg, logits_TE, bias_E, group)
+    load = _expert_load(cfg, logits_TE, bias_E, group, device_ceilings(dev) if dev.type == "cuda" else H200)
 
     def timed(moe) -> float:
         return max_over_ranks(median_ms(lambda: moe(x_TD, logits_TE, correction_bias_E=bias_E), repeats, dev,
@@ -124,10 +126,11 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
               f"(mean {e['mean']:.0f}); per rank {' / '.join(map(str, r))} (largest / mean "
               f"{max(r) * len(r) / max(sum(r), 1):.2f})")
         if dev.type == "cuda":
-            print(f"the busiest rank's expert MLP on an H200 takes at least {load['experts_floor_ms_h200']:.4g} ms")
+            print(f"the busiest rank's expert MLP takes at least {load['experts_floor_ms']:.4g} ms (floor at the "
+                  f"ceilings of {load['floor_ceilings']})")
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
-            record = {"bench": "layer", "device": dev.type, "device_name": _device_name(dev),
+            record = {"bench": "layer", "device": dev.type, "device_name": device_name(dev),
                       "world_size": ctx.world_size, "torch": torch.__version__,
                       "spec": {k: str(v) if isinstance(v, torch.dtype) else v
                                for k, v in dataclasses.asdict(spec).items()},
@@ -136,10 +139,6 @@ def _layer_rank(ctx: RankContext, spec: LayerSpec, experts: str, repeats: int, w
             with open(os.path.join(out_dir, "layer.json"), "w") as f:
                 json.dump(record, f, indent=2)
     return 0
-
-
-def _device_name(dev: torch.device) -> str:
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -74,7 +74,7 @@ from ..registry import list_experts
 from ..testing import TOLERANCES, rel_error
 from ..timing import sync
 from . import hf_peer
-from .ceilings import H200, Ceilings, device_ceilings
+from .ceilings import H200, Ceilings, device_ceilings, device_name
 from .experts import Floor, floor_on, fmt
 from .hf_peer import MoEShape
 
@@ -530,7 +530,7 @@ def run(shapes: Sequence[MoEShape], tokens: Sequence[int], quants: Sequence[str]
     if out is not None:
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        result = {"bench": "moe", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        result = {"bench": "moe", "device": device_name(device),
                   "torch": torch.__version__, "triton": triton.__version__,
                   "transformers": hf_peer.transformers_version(), "gemm_table": str(configs.table_path()),
                   "repeats": repeats, "seed": seed,
