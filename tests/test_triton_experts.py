@@ -237,20 +237,25 @@ def test_tma_loads_match_reference(counts, layout, fp8, F, monkeypatch):
 
 # quant: (F, D, block_n, block_k) of test_swapped_product_matches_reference
 SWAP_CASES = {"fp32": (48, 80, 32, 32), "bf16": (48, 80, 32, 32), "fp8_tile": (128, 144, 128, 128),
-              "fp8_columns": (80, 144, 64, 64), "fp8_bf16_x": (128, 144, 128, 128)}
+              "fp8_partial": (192, 144, 128, 128), "fp8_columns": (80, 144, 64, 64), "fp8_bf16_x": (128, 144, 128, 128)}
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 17], [33, 1, 0]])
 @pytest.mark.parametrize("layout", ["contiguous", "batched", "indexed"])
 @pytest.mark.parametrize("quant", list(SWAP_CASES))
 @pytest.mark.parametrize("tma", [False, True])
-def test_swapped_product_matches_reference(counts, layout, quant, tma):
+@pytest.mark.parametrize("block_m", [16, 32])  # 32: square tiles of the unquantized cases
+def test_swapped_product_matches_reference(counts, layout, quant, tma, block_m, monkeypatch):
     """GemmConfig.swap_ab (each K block's product with the weights on the MMA's M side, the sum transposed
     before the epilogue) gives the references' results in each variant of the pointer kernel: fp32 (ieee
     sums), bf16 (a partial last K block and column tile), fp8 with one weight scale per tile and h quantized
-    in the gate-up's epilogue, fp8 with per-column weight scales (F 80: h quantized after), bf16 x with fp8
-    weights (quantized in the batched kernel, else by the launcher); rows through a row index; pointer or TMA
-    loads; the top-k weights in the down's epilogue."""
+    in the gate-up's epilogue (with a partial last column tile: F 192), fp8 with per-column weight scales
+    (F 80: h quantized after), bf16 x with fp8 weights (quantized in the batched kernel, else by the
+    launcher); rows through a row index; pointer or TMA loads; the top-k weights in the down's epilogue."""
+    swapped = []
+    real = grouped_gemm._grouped_gemm_kernel
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **kw: (swapped.append(kw["SWAP_AB"]), real[grid](*a, **kw)))})())
     F, D, block_n, block_k = SWAP_CASES[quant]
     rows, R = make_rows(counts, layout == "batched")
     w13, w2 = weights(len(counts), D, F)
@@ -260,7 +265,7 @@ def test_swapped_product_matches_reference(counts, layout, quant, tma):
     if layout == "indexed":
         x_rows = torch.randint(0, R // 2 + 1, (R,), dtype=torch.int32).to(DEVICE)
         x = x[: R // 2 + 1]
-    cfg = GemmConfig(block_m=16, block_n=block_n, block_k=block_k, tma=tma, swap_ab=True)
+    cfg = GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, tma=tma, swap_ab=True)
     mask = valid_mask(rows, R)
     row_scale = torch.rand(R, device=DEVICE)
     if quant.startswith("fp8"):
@@ -280,6 +285,7 @@ def test_swapped_product_matches_reference(counts, layout, quant, tma):
         y = down(h, w2, rows, row_scale_R=row_scale, config=cfg)
         y_ref = down_ref(h, w2, rows, row_scale_R=row_scale)
     assert_outputs_close(y[mask].float(), y_ref[mask], dtype, "fp8_block" if quant.startswith("fp8") else None)
+    assert swapped == [True, True]  # both GEMMs ran the swapped product
 
 
 def test_swap_ab_is_the_pointer_kernels():

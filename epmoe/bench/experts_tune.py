@@ -132,7 +132,7 @@ def describe(cfg: GemmConfig) -> str:
     if cfg.warp_specialize:
         kind = f"ws-{_SHORT[cfg.warp_specialize]}{'+pipe' if cfg.pipe_mma else ''}{'+claim' if cfg.claim_tiles else ''}"
     else:
-        kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}"
+        kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}{' swap' if cfg.swap_ab else ''}"
     pdl = " pdl" if cfg.pdl else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}{pdl}"
 
