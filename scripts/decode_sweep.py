@@ -10,8 +10,8 @@ take a tile more (`epmoe bench experts --tune` times exactly t rows per expert):
 warp-specialized and pointer candidates, and 64-row tiles of both kernels; "ws", for the decode buckets:
 the warp-specialized kernel's 64-row tiles (cooperative and interleaved; and the split schedule's 128-row
 tiles), whose loader streams the weights through a ring that runs on from one tile to the next; "swap",
-pointer-kernel tiles with swap_ab (the weights on the wgmma's M side, 16 to 64 of an expert's rows on its N
-side), pointer or TMA loads; "table",
+tiles with swap_ab (the weights on the wgmma's M side, 16 to 64 of an expert's rows on its N side) of both
+kernels (`epmoe.bench.experts_tune.swap_candidates`); "table",
 none (the table's config alone, to compare tables). --contiguous: the gate-up reads a copy of the routed
 rows in order (as `epmoe bench experts` times it, with the plain table's entries) instead of through the
 row index (the `_indexed` entries); --batched: the rows in ll's batched layout on one rank, a slot of T
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from epmoe.bench.ceilings import device_ceilings
-from epmoe.bench.experts_tune import INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, ws_config
+from epmoe.bench.experts_tune import (INDEXED_CANDIDATES, POINTER_CANDIDATES, WS_CANDIDATES, swap_candidates,
+                                      ws_config)
 from epmoe.bench.moe import SHAPES
 from epmoe.kernels.configs import POINTER_STAGE_BYTES, SHARED_BYTES, GemmConfig, gemm_config
 from epmoe.kernels.grouped_gemm import ExpertRows, down, gate_up
@@ -60,20 +61,6 @@ def candidates(block_m: int, gate: bool, fp8: bool = False) -> list[GemmConfig]:
         if stage * stages > POINTER_STAGE_BYTES:
             continue
         out.append(GemmConfig(block_m=block_m, block_n=bn, block_k=bk, group_m=1, num_warps=warps, num_stages=stages))
-    return out
-
-
-def swap_candidates(gate: bool, fp8: bool) -> list[GemmConfig]:
-    """Pointer-kernel tiles with swap_ab: 16, 32 or 64 of an expert's rows (the wgmma's N side) against 128
-    weight rows (its M side; 64 too for bf16), 128-deep K blocks, pointer or TMA loads, the stages that fit;
-    4 warps, 8 with 64 rows (an fp8 gate-up's two 128x64 float32 sums spill 112-512 B on 4 warps, sm_90
-    compile under triton 3.9; none spills as set, under 3.6 or 3.9)."""
-    out = []
-    for bm, bn, stages, tma in itertools.product((16, 32, 64), (128,) if fp8 else (64, 128), (3, 4), (False, True)):
-        if (bm + (2 if gate else 1) * bn) * 128 * (1 if fp8 else 2) * stages > POINTER_STAGE_BYTES:
-            continue
-        out.append(GemmConfig(block_m=bm, block_n=bn, block_k=128, group_m=1, num_warps=8 if bm == 64 else 4,
-                              num_stages=stages, tma=tma, swap_ab=True))
     return out
 
 
@@ -232,7 +219,7 @@ def main() -> None:
             gate = op == "gate_up"
             pool = (candidates(table_cfg.block_m, gate, fp8) if args.pool == "pointer"
                     else ws_candidates(gate, fp8, gate and not (args.contiguous or args.batched)) if args.pool == "ws"
-                    else swap_candidates(gate, fp8) if args.pool == "swap"
+                    else swap_candidates(op, fp8) if args.pool == "swap"
                     else prefill_candidates(gate) if args.pool == "prefill" else [])
             table_first_us = gpu_us(lambda: run(None), args.iters)
             timed = []

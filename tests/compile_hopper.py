@@ -167,7 +167,7 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
                    fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,
                    has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
                    block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
-                   gdc_wait=cfg.pdl)
+                   gdc_wait=cfg.pdl, swap=cfg.swap_ab)
     return compile_hopper(ws._ws_gemm_kernel, signature, dict(META=meta),
                           ["a_ptr", "a_scale_ptr", "b_ptr", "b_scale_ptr", "c_ptr", "index_ptr", "N", "K"],
                           cfg.num_warps, 1,
@@ -179,9 +179,12 @@ def ws_jobs() -> list:
     candidates and the table's entries, those of gate-ups through a row index (`_indexed`) with gather;
     a pipelined fp8 config once per K blocks per iteration it may run with (`grouped_gemm_ws.pipe_blocks`)."""
     from epmoe.kernels import grouped_gemm_ws as ws
-    from epmoe.bench.experts_tune import INDEXED_CANDIDATES, WS_CANDIDATES
+    from epmoe.bench.experts_tune import INDEXED_CANDIDATES, WS_CANDIDATES, swap_candidates
     from epmoe.kernels import configs
     out = [(op, fp8, cfg, False) for (op, fp8), cands in WS_CANDIDATES.items() for cfg in cands]
+    # the decode sweep's swapped tiles, the gate-ups' also through a row index
+    out += [(op, fp8, cfg, gather) for op, fp8 in WS_CANDIDATES for cfg in swap_candidates(op, fp8)
+            if cfg.warp_specialize for gather in ((False, True) if op == "gate_up" else (False,))]
     out += [("gate_up", fp8, cfg, True) for fp8, cands in INDEXED_CANDIDATES.items() for cfg in cands
             if cfg.warp_specialize]
     for table in (configs._table(gpu=gpu) for gpu in table_gpus()):

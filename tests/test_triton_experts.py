@@ -288,9 +288,17 @@ def test_swapped_product_matches_reference(counts, layout, quant, tma, block_m, 
     assert swapped == [True, True]  # both GEMMs ran the swapped product
 
 
-def test_swap_ab_is_the_pointer_kernels():
-    with pytest.raises(ValueError, match="swap_ab"):
-        GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
+def test_swapped_warp_specialized_configs_are_checked():
+    """Swapped, the weights' block_n rows are the wgmma's M side (16 a warp) and the expert's block_m rows its N
+    side (16 or more); not on the split schedule, whose consumers split a tile's rows."""
+    GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
+    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, warp_specialize="interleaved", swap_ab=True)
+    with pytest.raises(ValueError, match="block_n >= 128"):
+        GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
+    with pytest.raises(ValueError, match="block_m >= 64"):
+        GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative")
+    with pytest.raises(ValueError, match="split"):
+        GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=4, warp_specialize="split", swap_ab=True)
 
 
 def test_row_index_is_validated():
@@ -583,22 +591,25 @@ def test_row_index_launches_take_the_indexed_entry_or_a_pointer_variant(monkeypa
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("batched", [False, True])
-def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, swap, monkeypatch):
     """Launches the warp-specialized kernel cannot serve (here: no Hopper GPU, the interpreter) run its
-    config's pointer variant, with the same results; on a Hopper GPU `test_warp_specialized_kernel_gpu`
-    runs the kernel itself."""
+    config's pointer variant, with the same results (swap: a swapped config's, swapped too); on a Hopper GPU
+    `test_warp_specialized_kernel_gpu` runs the kernel itself."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("Hopper runs the warp-specialized kernel (test_warp_specialized_kernel_gpu)")
     ran = []
     real = grouped_gemm._grouped_gemm_kernel
     monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **kw: (ran.append(kw["BLOCK_M"]), real[grid](*a, **kw)))})())
+        "__getitem__": lambda self, grid: (lambda *a, **kw: (ran.append((kw["BLOCK_M"], kw["SWAP_AB"])),
+                                                             real[grid](*a, **kw)))})())
     counts = [5, 0, 70]
     L, D, F = len(counts), 128, 128
     rows, R = make_rows(counts, batched)
     w13, w2 = weights(L, D, F)
     x = torch.randn(R, D, device=DEVICE).bfloat16()
-    cfg = GemmConfig(**{**WS.to_dict(), "block_k": 128 if fp8 else 64})
+    cfg = GemmConfig(**{**WS.to_dict(), "block_k": 128 if fp8 else 64, **({"block_m": 16, "swap_ab": True} if swap
+                                                                          else {})})
     mask = valid_mask(rows, R)
     if fp8:
         (q13, s13), (q2, s2) = quantize_weight_ref(w13), quantize_weight_ref(w2)
@@ -614,7 +625,7 @@ def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, monkeypatch
         y = down(h, w2, rows, config=cfg)
         y_ref = down_ref(h, w2, rows)
     torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
-    assert ran == [64, 64]  # both GEMMs ran the pointer kernel with the config's tiles
+    assert ran == [(cfg.block_m, swap)] * 2  # both GEMMs ran the pointer kernel with the config's tiles
 
 
 def _with_table_entries(cases: list, indexed: bool) -> list:
@@ -628,8 +639,10 @@ def _with_table_entries(cases: list, indexed: bool) -> list:
     return cases
 
 
+# (and the decode sweep's swapped tiles of the warp-specialized kernel)
 WS_CASES = _with_table_entries([(op, fp8, cfg) for (op, fp8), cands in experts_tune.WS_CANDIDATES.items()
-                                for cfg in cands], indexed=False)
+                                for cfg in cands + tuple(c for c in experts_tune.swap_candidates(op, fp8)
+                                                         if c.warp_specialize)], indexed=False)
 
 
 @pytest.mark.gpu
@@ -683,7 +696,8 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatc
 
 
 GATHER_CASES = _with_table_entries([(fp8, cfg) for fp8, cands in experts_tune.INDEXED_CANDIDATES.items()
-                                    for cfg in cands if cfg.warp_specialize], indexed=True)
+                                    for cfg in cands + tuple(experts_tune.swap_candidates("gate_up", fp8))
+                                    if cfg.warp_specialize], indexed=True)
 
 
 @pytest.mark.gpu
@@ -937,13 +951,13 @@ def assert_fp8_h_close(h: torch.Tensor, h_ref: torch.Tensor, flips: float = 1e-4
     ("gate_up", False, False, None), ("down", True, False, None), ("gate_up", True, False, None),
     ("gate_up", False, True, None), ("gate_up", True, True, None), ("down", False, False, "split"),
     ("gate_up", True, False, "split"), ("gate_up", False, True, "claim"), ("gate_up", True, False, "claim"),
-    ("down", True, False, "dependent")])
+    ("down", True, False, "dependent"), ("gate_up", True, True, "swap"), ("down", False, False, "swap")])
 def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, schedule, monkeypatch):
     """The host side of the warp-specialized launch without a GPU: every argument binds to a parameter
     of the Gluon kernel, the descriptors have the config's tiles, and the constexprs say what the call is
     (gather: A's source rows and the row index passed as pointers; split: TMA stores of half tiles; claim: the
     stream's tile counter, zero, in place of the unread pointer; dependent: a programmatic dependent launch
-    whose partitions wait)."""
+    whose partitions wait; swap: products with the weights on the wgmma's M side, 16-row A tiles)."""
     import inspect
     ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
     calls = []
@@ -956,14 +970,15 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
                 calls.append((grid, signature.bind(*args, **kwargs).arguments, options))
             return launch
     monkeypatch.setattr(ws, "_ws_gemm_kernel", Spy())
-    claim, dependent = schedule == "claim", schedule == "dependent"
-    if dependent:
+    claim, dependent, swap = schedule == "claim", schedule == "dependent", schedule == "swap"
+    if dependent or swap:
         schedule = None
-    cfg = next(c for c in experts_tune.WS_CANDIDATES[(op, fp8)]
-               if ("cooperative" if claim else schedule) in (None, c.warp_specialize))
+    cfg = next(c for c in (experts_tune.swap_candidates(op, fp8) if swap else experts_tune.WS_CANDIDATES[(op, fp8)])
+               if c.warp_specialize and ("cooperative" if claim else schedule) in (None, c.warp_specialize))
     if claim:
         cfg = dataclasses.replace(cfg, claim_tiles=True)
         schedule = "cooperative"
+    claim = cfg.claim_tiles  # (the swapped gate-up's too)
     L, N, K, R = 3, 256, 384, 40
     w = torch.zeros(L, 2 * N if op == "gate_up" else N, K)
     a = torch.zeros(R, K)
@@ -991,6 +1006,7 @@ def test_warp_specialized_launch_binds_the_kernel_signature(op, fp8, gather, sch
     assert meta.gather == gather and bound["a_ptr"] is a
     assert bound["a_rows_ptr"] is (a_rows if gather else offsets)
     assert meta.claim == claim and meta.gdc_wait == dependent
+    assert meta.swap == swap and (not swap or bound["a_desc"].block_shape == [16, cfg.block_k])
     assert bound["b_ptr"].data_ptr() == bound["b_desc"].base.data_ptr()  # (read by a dependent's L2 prefetch)
     assert bound["counter_ptr"] is (ws.tile_counter(a.device) if claim else offsets)
     assert not claim or bound["counter_ptr"].tolist() == [0, 0]

@@ -29,6 +29,7 @@ the JSON and a configs.json from the points timed so far.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -63,11 +64,12 @@ CHECK_EXPERTS = 16
 
 
 def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = False,
-              claim: bool = False) -> GemmConfig:
+              claim: bool = False, swap: bool = False) -> GemmConfig:
     """A warp-specialized launch config: an m x n x k tile on `schedule` with `stages` ring stages (8 consumer
-    warps cooperative, else 4; GROUP_M 8); pipe: pipe_mma (fp8); claim: claim_tiles (cooperative)."""
+    warps cooperative, else 4; GROUP_M 8); pipe: pipe_mma (fp8); claim: claim_tiles (cooperative); swap:
+    swap_ab."""
     return GemmConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=8 if schedule == "cooperative" else 4,
-                      num_stages=stages, warp_specialize=schedule, pipe_mma=pipe, claim_tiles=claim)
+                      num_stages=stages, warp_specialize=schedule, pipe_mma=pipe, claim_tiles=claim, swap_ab=swap)
 
 
 # Warp-specialized candidates per (op, fp8), the same for every bucket. Shared memory: stages of
@@ -118,6 +120,41 @@ INDEXED_CANDIDATES = {
 }
 
 
+SWAP_ROWS = (16, 32, 64)  # an expert's rows per swapped tile (the wgmma's N side)
+
+
+def swap_candidates(op: str, fp8: bool) -> list[GemmConfig]:
+    """Tiles with swapped products (`GemmConfig.swap_ab`) for the hand-set decode buckets, timed on routed rows
+    by scripts/decode_sweep.py --pool swap (not by the tuner): SWAP_ROWS of an expert's rows against 128
+    weight rows (64 too for the bf16 pointer kernel). Spills below are of the sm_90 compile
+    (tests/compile_hopper.py).
+    - The pointer kernel: 128-deep K blocks, pointer or TMA loads, 3 or 4 stages, 4 warps (8 with 64 rows:
+      an fp8 gate-up's two 128x64 float32 sums spill 112-512 B on 4, triton 3.9).
+    - The warp-specialized kernel: the cooperative schedule as the fp8 decode buckets run it (5 stages,
+      claim_tiles for the gate-up, pipe_mma but on a 64-row gate-up, whose four block results spill 216 B),
+      the fp8 ones also without pipe_mma; the interleaved schedule for the downs of up to 32 rows (at 64 its
+      4-warp fp8 consumers spill 16 B, triton 3.6). As many of those stages as fit beside each consumer's
+      transposition of its sums (`configs.swap_scratch_bytes`) and a 16-bit output's TMA store buffer."""
+    gate = op == "gate_up"
+    size = 1 if fp8 else 2
+    out = []
+    for bm, bn, stages, tma in itertools.product(SWAP_ROWS, (128,) if fp8 else (64, 128), (3, 4), (False, True)):
+        if (bm + (2 if gate else 1) * bn) * 128 * size * stages <= configs_mod.POINTER_STAGE_BYTES:
+            out.append(GemmConfig(block_m=bm, block_n=bn, block_k=128, group_m=1, num_warps=8 if bm == 64 else 4,
+                                  num_stages=stages, tma=tma, swap_ab=True))
+    bk = 128 if fp8 else 64
+    for bm in SWAP_ROWS:
+        stage = (bm + (2 if gate else 1) * 128) * bk * size
+        for schedule in ("cooperative",) if gate or bm == 64 else ("cooperative", "interleaved"):
+            consumers = 2 if schedule == "interleaved" else 1
+            scratch = configs_mod.swap_scratch_bytes(ws_config(schedule, bm, 128, bk, 3, swap=True))
+            fixed = 1024 + consumers * scratch + (0 if (gate and fp8) or consumers == 2 else bm * 128 * 2)
+            stages = min(5 if gate else 6, (configs_mod.SHARED_BYTES - fixed) // stage)
+            pipes = (True, False) if fp8 and schedule == "cooperative" and not (gate and bm == 64) else (False,)
+            out += [ws_config(schedule, bm, 128, bk, stages, pipe=pipe, claim=gate, swap=True) for pipe in pipes]
+    return out
+
+
 def candidates(op: str, fp8: bool, bound: int, indexed: bool = False) -> list[GemmConfig]:
     """The committed table's entry for rows-per-expert bound `bound` first, then the others."""
     pool = INDEXED_CANDIDATES[fp8] if indexed else WS_CANDIDATES[(op, fp8)] + POINTER_CANDIDATES[(op, fp8)]
@@ -132,9 +169,10 @@ def describe(cfg: GemmConfig) -> str:
     if cfg.warp_specialize:
         kind = f"ws-{_SHORT[cfg.warp_specialize]}{'+pipe' if cfg.pipe_mma else ''}{'+claim' if cfg.claim_tiles else ''}"
     else:
-        kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}{' swap' if cfg.swap_ab else ''}"
+        kind = f"ptr w{cfg.num_warps}{' tma' if cfg.tma else ''}"
     pdl = " pdl" if cfg.pdl else ""
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}{pdl}"
+    swap = " swap" if cfg.swap_ab else ""
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} g{cfg.group_m}{pdl}{swap}"
 
 
 # ---------------------------------------------------------------------------------------------------

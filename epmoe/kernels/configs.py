@@ -64,9 +64,10 @@ class GemmConfig:
     programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
     their tile map (and prefetch their first tiles' weights into L2) meanwhile, and wait for the gate-up to
     end (griddepcontrol.wait) before they read h or write.
-    swap_ab (pointer kernel): each tile's product is taken transposed, the weights' block_n rows on the
-    MMA's M side and the expert's block_m rows on its N side, so that a decode tile of 16 rows fills a
-    64-row wgmma with weights rather than with padding rows (the same result).
+    swap_ab (the pointer kernel, and the cooperative and interleaved schedules): each tile's product is
+    taken transposed, the weights' block_n rows on the MMA's M side and the expert's block_m rows (16 or
+    more) on its N side, so that a decode tile of 16 rows fills a 64-row wgmma with weights rather than with
+    padding rows (the same result).
     """
 
     block_m: int
@@ -95,11 +96,13 @@ class GemmConfig:
                                  f"got {self.warp_specialize!r}")
             warps = 8 if self.warp_specialize == "cooperative" else 4
             rows = 128 if self.warp_specialize == "split" else 64  # wgmma: 64 rows a consumer
-            if self.num_warps != warps or self.block_m < rows or self.num_stages < 3:
+            # (swapped: the weights' block_n rows are the wgmma's M side, 16 a warp)
+            m_side, need = ("block_n", 16 * warps) if self.swap_ab else ("block_m", rows)
+            if self.num_warps != warps or getattr(self, m_side) < need or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
-                                 f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
-            if self.swap_ab:
-                raise ValueError(f"GemmConfig.swap_ab is the pointer kernel's, not warp_specialize's: {self}")
+                                 f"{m_side} >= {need} (wgmma) and num_stages >= 3, got {self}")
+            if self.swap_ab and self.warp_specialize == "split":
+                raise ValueError(f"GemmConfig.swap_ab: not with the split schedule, got {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
         if self.claim_tiles and (self.warp_specialize != "cooperative" or self.num_stages > CLAIM_MAX_STAGES):
@@ -125,6 +128,12 @@ class GemmConfig:
         stage = (self.block_m + 2 * self.block_n) * self.block_k * element_size
         return dataclasses.replace(self, warp_specialize=None, pipe_mma=False, claim_tiles=False, num_warps=8,
                                    tma=True, num_stages=max(2, min(self.num_stages, 4, POINTER_STAGE_BYTES // stage)))
+
+
+def swap_scratch_bytes(cfg: GemmConfig) -> int:
+    """Shared memory a warp-specialized consumer of `cfg` takes to transpose its float32 sums into the epilogue's
+    layout (swap_ab; none otherwise), beside the ring."""
+    return cfg.block_m * cfg.block_n * 4 if cfg.swap_ab and cfg.warp_specialize else 0
 
 
 # The interpreter (CPU) runs every program in numpy: small tiles keep the tests fast.

@@ -25,6 +25,10 @@ by `tile_map.tile_coords`; the same epilogues; no host sync), with the warps' ro
   across iterations while other instructions read accumulators), so all of its promotions but the
   last overlap MMAs. Without pipe_mma each block is waited for and promoted before the next is issued
   (gate-up: the gate's MMA, then the up's, into one register tile).
+With `Meta.swap` (decode sizes; the cooperative and interleaved schedules) each wgmma takes the weights as its
+M side and the expert's rows as its N side (B_tile A_tile^T, [block_n, block_m]), so that a tile of 16 rows
+fills the 64-row wgmma with weights rather than padding rows; the sums are transposed into the epilogue's
+layout after the SiLU-and-mul, and the epilogue is the same.
 Tiles go to the programs statically (program p takes tiles p, p + programs, ...) or, with `Meta.claim`
 (cooperative schedule), from an atomic counter of the launch: the loader claims a tile when it has queued the
 last one's loads and hands its number to the consumer in a slot beside the ring stage of the tile's first K
@@ -66,7 +70,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..config import FP8_BLOCK
 from ..quant import FP8_DTYPE, num_groups
-from .configs import CLAIM_MAX_STAGES, SHARED_BYTES
+from .configs import CLAIM_MAX_STAGES, SHARED_BYTES, swap_scratch_bytes
 from .quant import FP8_MAX_C, MIN_AMAX_C
 from .tile_map import tile_coords
 
@@ -141,6 +145,7 @@ class Meta:
     stages: int
     claim: bool = False  # tiles from the launch's counter (cooperative schedule; `tile_counter`)
     gdc_wait: bool = False  # launched as a programmatic dependent: every partition waits after its tile map
+    swap: bool = False  # the weights on the wgmma's M side (`GemmConfig.swap_ab`; not the split schedule)
     row_off: int = 0  # split: the first row of a tile this consumer multiplies (`for_consumer`)
 
     def for_consumer(self, consumer: int) -> "Meta":
@@ -415,8 +420,8 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
 
 @gluon.jit
 def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.constexpr):
-    """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile) of its stage, not waiting
-    for the wgmma (split: the consumer's rows of A, from `Meta.row_off`)."""
+    """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile; swap: t (+)= B A^T) of its
+    stage, not waiting for the wgmma (split: the consumer's rows of A, from `Meta.row_off`)."""
     a_bufs, b_bufs, bu_bufs, ready, empty = ring[0], ring[1], ring[2], ring[3], ring[4]
     s = pos % META.stages
     mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
@@ -426,7 +431,11 @@ def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.const
     a = a_bufs.index(s)
     if META.schedule == 2:
         a = a.slice(META.row_off, META.block_m // 2)
-    return warpgroup_mma(a, b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
+    if META.swap:
+        t = warpgroup_mma(b, a.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
+    else:
+        t = warpgroup_mma(a, b.permute((1, 0)), t, use_acc=USE_ACC, is_async=True)
+    return t
 
 
 @gluon.jit
@@ -466,6 +475,16 @@ def _block_scale(a_scale_ptrs, b_scale_at, kk, k_tiles):
 
 
 @gluon.jit
+def _scaled(t, s, META: gl.constexpr):
+    """A block result t times its rows' scales s (t's rows, or with `Meta.swap` its columns)."""
+    if META.swap:
+        out = t * s[None, :]
+    else:
+        out = t * s[:, None]
+    return out
+
+
+@gluon.jit
 def _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scale_at, up_scale_at,
                          META: gl.constexpr):
     """fp8 acc over all K blocks, each block's wgmma (gate-up: the gate's, then the up's, into the same
@@ -479,10 +498,10 @@ def _mainloop_fp8_serial(ring, pos0, stride, k_tiles, zero, a_scale_ptrs, b_scal
         if META.gate_up:
             s_up = _block_scale(a_scale_ptrs, up_scale_at, kk, k_tiles)
         t = warpgroup_mma_wait(0, deps=(_issue(ring, pos, t, False, False, META), ))
-        acc = _pinned(acc + t * s[:, None])
+        acc = _pinned(acc + _scaled(t, s, META))
         if META.gate_up:
             t = warpgroup_mma_wait(0, deps=(_issue(ring, pos, t, True, False, META), ))
-            acc_up = _pinned(acc_up + t * s_up[:, None])
+            acc_up = _pinned(acc_up + _scaled(t, s_up, META))
         _release(ring, pos, True, META)
     return acc, acc_up
 
@@ -528,9 +547,9 @@ def _mainloop_fp8_pipelined(ring, pos0, stride, k_tiles, steps, zero, a_scale_pt
             else:
                 t_a = warpgroup_mma_wait(0, deps=(t_a, ))
             _release(ring, pos + i * stride, True, META)
-            acc = _pinned(acc + t_a * s[:, None])
+            acc = _pinned(acc + _scaled(t_a, s, META))
             if META.gate_up:
-                acc_up = _pinned(acc_up + u_a * s_up[:, None])
+                acc_up = _pinned(acc_up + _scaled(u_a, s_up, META))
             t_a, t_b = t_b, t_a
             u_a, u_b = u_b, u_a
     return acc, acc_up
@@ -556,9 +575,18 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     SPLIT: gl.constexpr = META.schedule == 2
     TILE_M: gl.constexpr = BLOCK_M // 2 if SPLIT else BLOCK_M  # the rows this consumer multiplies
     ROW_OFF: gl.constexpr = META.row_off  # their first, within a tile
-    mma: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, W, BITS)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    # The sums' layout (swap: [BLOCK_N, TILE_M]) and the epilogue's ([TILE_M, BLOCK_N]; swap: rows of 8
+    # contiguous columns a thread, the sums transposed into it).
+    if META.swap:
+        mma: gl.constexpr = _mma_layout(BLOCK_N, TILE_M, W, BITS)
+        epi: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    else:
+        mma: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, W, BITS)
+        epi: gl.constexpr = mma
+    rows_l: gl.constexpr = gl.SliceLayout(1, epi)
+    cols_l: gl.constexpr = gl.SliceLayout(0, epi)
+    # the tile's rows along the sums (their fp8 scales)
+    sum_rows_l: gl.constexpr = gl.SliceLayout(0, mma) if META.swap else rows_l
     CONSUMERS: gl.constexpr = 2 if META.schedule == 1 else 1  # tiles a consumer steps by
     FIRST: gl.constexpr = CONSUMER if META.schedule == 1 else 0
 
@@ -572,7 +600,10 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
-    zero = gl.zeros((TILE_M, BLOCK_N), gl.float32, layout=mma)
+    if META.swap:
+        zero = gl.zeros((BLOCK_N, TILE_M), gl.float32, layout=mma)
+    else:
+        zero = gl.zeros((TILE_M, BLOCK_N), gl.float32, layout=mma)
     j = FIRST
     if META.claim:  # n_mine: the tiles known so far (one more while the loader hands out tiles)
         tile = _read_tile(ring, 0, META)
@@ -586,9 +617,10 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
         offs_m = row0 + ROW_OFF + gl.arange(0, TILE_M, layout=rows_l)
         m_mask = offs_m < row_end
         if META.fp8:
-            rows_a = gl.minimum(offs_m, R - 1).to(gl.int64)  # rows past the expert's end: read, never stored
+            sum_rows = row0 + ROW_OFF + gl.arange(0, TILE_M, layout=sum_rows_l)
+            rows_a = gl.minimum(sum_rows, R - 1).to(gl.int64)  # rows past the expert's end: read, never stored
             if META.gather:
-                rows_a = gl.load(a_rows_ptr + rows_a, mask=m_mask, other=0).to(gl.int64)
+                rows_a = gl.load(a_rows_ptr + rows_a, mask=sum_rows < row_end, other=0).to(gl.int64)
             a_scale_ptrs = a_scale_ptr + rows_a * G_A
             b_scale_at = (b_scale_ptr + expert.to(gl.int64) * stride_bsl
                           + (pid_n * META.block_n // _SCALE_GROUP) * stride_bsn)
@@ -604,6 +636,8 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
 
         if META.gate_up:
             acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+        if META.swap:
+            acc = gl.convert_layout(gl.permute(acc, (1, 0)), epi)
         if META.has_row_scale:
             acc = acc * gl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
@@ -662,6 +696,8 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_pt
     gl.static_assert(not META.claim or (META.schedule == 0 and META.stages <= MAX_CLAIM_STAGES),
                      "claimed tiles: the cooperative schedule, at most MAX_CLAIM_STAGES stages")
     gl.static_assert(not (META.gdc_wait and META.gate_up), "a programmatic dependent launch is a down")
+    gl.static_assert(not META.swap or (META.schedule != 2 and META.block_n >= 16 * gl.num_warps()),
+                     "swapped products: not split, block_n rows of weights for every warp's 16")
     if META.gate_up:  # a programmatic dependent launch (the down) may start once every program has begun
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -736,12 +772,13 @@ def supported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_experts: 
 def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, quant_out: bool) -> bool:
     """Whether a launch stores its full tiles by TMA: the cooperative or split schedule, a 16-bit TMA-ready
     output (not the fp8 h), and the ring's stages with the [block_m, block_n] output buffer (split: two
-    halves) within the block's shared memory."""
+    halves) and the swapped sums' transposition (`swap_scratch_bytes`) within the block's shared memory."""
     if (cfg.warp_specialize not in ("cooperative", "split") or quant_out or out.element_size() != 2
             or not _tma_ready(out)):
         return False
     stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
-    return cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + 1024 <= SHARED_BYTES  # (1 KB: the barriers)
+    return (cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + swap_scratch_bytes(cfg) + 1024  # (1 KB: barriers)
+            <= SHARED_BYTES)
 
 
 def tma_store_block(cfg) -> list[int]:
@@ -816,7 +853,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
                 has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
                 block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
-                gdc_wait=dependent)
+                gdc_wait=dependent, swap=cfg.swap_ab)
     dummy = out  # placeholder pointer for arguments a variant does not read
     _ws_gemm_kernel[(programs, )](
         a_desc, b_desc, c_desc, a, a_rows if a_rows is not None else index_L, a_scale if fp8 else dummy, w,
