@@ -289,15 +289,18 @@ def test_swapped_product_matches_reference(counts, layout, quant, tma, block_m, 
 
 
 def test_swapped_warp_specialized_configs_are_checked():
-    """Swapped, the weights' block_n rows are the wgmma's M side (16 a warp) and the expert's block_m rows its N
-    side (16 or more); not on the split schedule, whose consumers split a tile's rows."""
+    """Swapped, the weights' block_n rows are the wgmma's M side (128: what the schedules are compiled and tested
+    for) and the expert's block_m rows its N side (16 or more); not on the split schedule, whose consumers split
+    a tile's rows."""
     GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
-    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, warp_specialize="interleaved", swap_ab=True)
-    with pytest.raises(ValueError, match="block_n >= 128"):
-        GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
+    GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, warp_specialize="interleaved", swap_ab=True)
+    for block_n in (64, 256):
+        with pytest.raises(ValueError, match="block_n 128"):
+            GemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=8, warp_specialize="cooperative",
+                       swap_ab=True)
     with pytest.raises(ValueError, match="block_m >= 64"):
         GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative")
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="cooperative or interleaved"):
         GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=4, warp_specialize="split", swap_ab=True)
 
 
@@ -693,6 +696,39 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatc
             y_ref = down_ref(h, w2.bfloat16(), rows, row_scale_R=row_scale)
         torch.testing.assert_close(y[mask].float(), y_ref[mask], rtol=2e-2, atol=3e-2)
     assert launched == [op == "gate_up"]
+
+
+SWAP_16BIT_CASES = [(op, c) for op in configs.OPS for c in experts_tune.swap_candidates(op, False) if c.warp_specialize]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,cfg", SWAP_16BIT_CASES, ids=[f"{op}-{experts_tune.describe(c)}"
+                                                         for op, c in SWAP_16BIT_CASES])
+def test_swapped_warp_specialized_partial_tiles_gpu(op, cfg, monkeypatch):
+    """The swapped warp-specialized tiles (bf16) where the weights' rows end inside a 128-row column tile and K
+    inside a block (N = K = 200: TMA zero fill past K, the last column tile's rows past N computed, never
+    stored), against the references; `test_warp_specialized_kernel_gpu` takes them at whole tiles."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized kernel needs a Hopper GPU")
+    launched = []
+    real = grouped_gemm.grouped_gemm_ws.launch
+    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
+                        lambda *a, **kw: (launched.append(kw["cfg"].swap_ab), real(*a, **kw)))
+    counts = [0, 1, 7, 64, 300, 2]
+    L, D, F = len(counts), 200, 200
+    rows, R = make_rows(counts, False)
+    w13, w2 = (w.bfloat16() for w in weights(L, D, F))
+    mask = valid_mask(rows, R)
+    if op == "gate_up":
+        x = torch.randn(R, D, device=DEVICE).bfloat16()
+        out, ref = gate_up(x, w13, rows, config=cfg)[0], gate_up_ref(x, w13, rows)
+    else:
+        h = torch.randn(R, F, device=DEVICE).bfloat16()
+        row_scale = torch.rand(R, device=DEVICE)
+        out = down(h, w2, rows, row_scale_R=row_scale, config=cfg)
+        ref = down_ref(h, w2, rows, row_scale_R=row_scale)
+    torch.testing.assert_close(out[mask].float(), ref[mask], rtol=2e-2, atol=3e-2)
+    assert launched == [True]
 
 
 GATHER_CASES = _with_table_entries([(fp8, cfg) for fp8, cands in experts_tune.INDEXED_CANDIDATES.items()

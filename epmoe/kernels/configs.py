@@ -96,13 +96,14 @@ class GemmConfig:
                                  f"got {self.warp_specialize!r}")
             warps = 8 if self.warp_specialize == "cooperative" else 4
             rows = 128 if self.warp_specialize == "split" else 64  # wgmma: 64 rows a consumer
-            # (swapped: the weights' block_n rows are the wgmma's M side, 16 a warp)
-            m_side, need = ("block_n", 16 * warps) if self.swap_ab else ("block_m", rows)
-            if self.num_warps != warps or getattr(self, m_side) < need or self.num_stages < 3:
+            if self.num_warps != warps or (self.block_m < rows and not self.swap_ab) or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
-                                 f"{m_side} >= {need} (wgmma) and num_stages >= 3, got {self}")
-            if self.swap_ab and self.warp_specialize == "split":
-                raise ValueError(f"GemmConfig.swap_ab: not with the split schedule, got {self}")
+                                 f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
+            # swapped, the weights' block_n rows are the wgmma's M side: the schedules take 128 (compiled and
+            # tested so), not split (whose consumers split a tile's rows)
+            if self.swap_ab and (self.warp_specialize == "split" or self.block_n != 128):
+                raise ValueError(f"GemmConfig.swap_ab with warp_specialize needs the cooperative or interleaved "
+                                 f"schedule and block_n 128, got {self}")
         elif self.pipe_mma:
             raise ValueError(f"GemmConfig.pipe_mma needs warp_specialize, got {self}")
         if self.claim_tiles and (self.warp_specialize != "cooperative" or self.num_stages > CLAIM_MAX_STAGES):
