@@ -83,6 +83,22 @@ def valid_mask(rows, R):
     return mask
 
 
+def record_pointer_launches(monkeypatch, what) -> list:
+    """The pointer kernel, launching as before, appends what(its keyword arguments) to the list returned."""
+    seen, real = [], grouped_gemm._grouped_gemm_kernel
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **kw: (seen.append(what(kw)), real[grid](*a, **kw)))})())
+    return seen
+
+
+def record_ws_launches(monkeypatch, what) -> list:
+    """`grouped_gemm_ws.launch`, launching as before, appends what(its keyword arguments) to the list returned."""
+    seen, real = [], grouped_gemm.grouped_gemm_ws.launch
+    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
+                        lambda *a, **kw: (seen.append(what(kw)), real(*a, **kw)))
+    return seen
+
+
 @pytest.mark.parametrize("shape", [(0, 128), (1, 7), (5, 300), (2, 3, 129)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_act_matches_reference(shape, dtype):
@@ -252,10 +268,7 @@ def test_swapped_product_matches_reference(counts, layout, quant, tma, block_m, 
     in the gate-up's epilogue (with a partial last column tile: F 192), fp8 with per-column weight scales
     (F 80: h quantized after), bf16 x with fp8 weights (quantized in the batched kernel, else by the
     launcher); rows through a row index; pointer or TMA loads; the top-k weights in the down's epilogue."""
-    swapped = []
-    real = grouped_gemm._grouped_gemm_kernel
-    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **kw: (swapped.append(kw["SWAP_AB"]), real[grid](*a, **kw)))})())
+    swapped = record_pointer_launches(monkeypatch, lambda kw: kw["SWAP_AB"])
     F, D, block_n, block_k = SWAP_CASES[quant]
     rows, R = make_rows(counts, layout == "batched")
     w13, w2 = weights(len(counts), D, F)
@@ -601,11 +614,7 @@ def test_warp_specialized_configs_fall_back_off_hopper(fp8, batched, swap, monke
     `test_warp_specialized_kernel_gpu` runs the kernel itself."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("Hopper runs the warp-specialized kernel (test_warp_specialized_kernel_gpu)")
-    ran = []
-    real = grouped_gemm._grouped_gemm_kernel
-    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *a, **kw: (ran.append((kw["BLOCK_M"], kw["SWAP_AB"])),
-                                                             real[grid](*a, **kw)))})())
+    ran = record_pointer_launches(monkeypatch, lambda kw: (kw["BLOCK_M"], kw["SWAP_AB"]))
     counts = [5, 0, 70]
     L, D, F = len(counts), 128, 128
     rows, R = make_rows(counts, batched)
@@ -661,10 +670,7 @@ def test_warp_specialized_kernel_gpu(op, fp8, cfg, batched, k_blocks, monkeypatc
     partial ones from registers (candidates with `uses_tma_store`); and it really ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
-    launched = []
-    real = grouped_gemm.grouped_gemm_ws.launch
-    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
-                        lambda *a, **kw: (launched.append(kw["gate_up"]), real(*a, **kw)))
+    launched = record_ws_launches(monkeypatch, lambda kw: kw["gate_up"])
     counts = [0, 1, 7, 64, 300, 129, 2, 1000]
     L, D, F = len(counts), 128 * k_blocks, 128 * k_blocks  # K blocks of 128 in both GEMMs
     rows, R = make_rows(counts, batched)
@@ -710,10 +716,7 @@ def test_swapped_warp_specialized_partial_tiles_gpu(op, cfg, monkeypatch):
     stored), against the references; `test_warp_specialized_kernel_gpu` takes them at whole tiles."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
-    launched = []
-    real = grouped_gemm.grouped_gemm_ws.launch
-    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
-                        lambda *a, **kw: (launched.append(kw["cfg"].swap_ab), real(*a, **kw)))
+    launched = record_ws_launches(monkeypatch, lambda kw: kw["cfg"].swap_ab)
     counts = [0, 1, 7, 64, 300, 2]
     L, D, F = len(counts), 200, 200
     rows, R = make_rows(counts, False)
@@ -746,10 +749,7 @@ def test_warp_specialized_gather_kernel_gpu(fp8, cfg, D, monkeypatch):
     multi-tile experts, odd and even numbers of K blocks; and it really ran."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")
-    launched = []
-    real = grouped_gemm.grouped_gemm_ws.launch
-    monkeypatch.setattr(grouped_gemm.grouped_gemm_ws, "launch",
-                        lambda *a, **kw: (launched.append(kw["a_rows"] is not None), real(*a, **kw)))
+    launched = record_ws_launches(monkeypatch, lambda kw: kw["a_rows"] is not None)
     counts = [0, 1, 7, 64, 300, 129, 2, 1000]
     L, F = len(counts), 256
     rows, R = make_rows(counts, False)
