@@ -16,6 +16,14 @@ FP8_MAX = 448.0
 _MIN_AMAX = 1e-10
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 (amax floored at _MIN_AMAX), correctly rounded on every device, as the Triton quantizers
+    divide (`tl.math.div_rn`): the divisor is a tensor because CUDA divides by a host scalar as a multiply by
+    its rounded reciprocal, an ulp off for some amax (then the scales and a few fp8 values differ from the
+    kernels')."""
+    return amax.clamp_min(_MIN_AMAX) / torch.full_like(amax, FP8_MAX)
+
+
 def num_groups(d: int) -> int:
     return -(-d // FP8_BLOCK)
 
@@ -30,7 +38,7 @@ def quantize_act_ref(x_BD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     D = x_BD.shape[-1]
     xp = _pad_cols(x_BD.float())
     groups = xp.unflatten(-1, (-1, FP8_BLOCK))
-    scale = groups.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / FP8_MAX
+    scale = _scale(groups.abs().amax(dim=-1))
     q = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(-2)[..., :D].contiguous(), scale
 
@@ -48,7 +56,7 @@ def quantize_weight_ref(w_BNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     gn, gk = num_groups(N), num_groups(K)
     wp = torch.nn.functional.pad(w_BNK.float(), (0, gk * FP8_BLOCK - K, 0, gn * FP8_BLOCK - N))
     blocks = wp.unflatten(-1, (gk, FP8_BLOCK)).unflatten(-3, (gn, FP8_BLOCK))  # [..., gn, 128, gk, 128]
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_MIN_AMAX) / FP8_MAX  # [..., gn, gk]
+    scale = _scale(blocks.abs().amax(dim=(-3, -1)))  # [..., gn, gk]
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.flatten(-2).flatten(-3, -2)[..., :N, :K].contiguous()
     return q, scale
