@@ -16,7 +16,8 @@
 #   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
 #   swap (scripts/decode_sweep.py --pool swap: the pointer kernel's swap_ab tiles at decode sizes, against the table),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
-#   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4";
+#   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4", and the
+#   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
 #   AB_EXPERTS and AB_MOE: the benches' arguments)
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile, hfprofile, host, decode, swap and ab). Each stage runs on its own: a failing stage is recorded and the next
@@ -87,6 +88,7 @@ table_ab() {
     [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
     local new=() setting; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
     for setting in ${AB_SET:-}; do new+=(--set "$setting"); done
+    for put in ${AB_PUT:-}; do new+=(--put "$put"); done
     # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose
     "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_experts" experts \
         ${AB_EXPERTS:---tokens 16 32 64 128} || return 1

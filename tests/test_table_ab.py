@@ -10,6 +10,7 @@ import pytest
 
 from epmoe.bench import table_ab
 from epmoe.kernels import configs
+from epmoe.kernels.configs import GemmConfig
 
 
 def _committed(tmp_path) -> Path:
@@ -104,6 +105,26 @@ def test_set_derives_the_new_table_from_the_old(tmp_path):
             table_ab.derive(old, [bad], tmp_path / "bad.json")
 
 
+def test_put_replaces_one_bucket(tmp_path):
+    """--put KEY@BOUND=CONFIG: that bucket's config replaced (after any --set), every other config as it was;
+    puts that are malformed, not a JSON object or name no entry or bucket are refused."""
+    old = _committed(tmp_path)
+    swapped = {"block_m": 16, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 3, "swap_ab": True}
+    path = table_ab.derive(old, ["down:group_m=4"], tmp_path / "new.json", [f"down_fp8@16={json.dumps(swapped)}"])
+    new, before = configs._table(path), configs._table(old)
+    for key, buckets in new.items():
+        for (bound, cfg), (bound0, cfg0) in zip(buckets, before[key], strict=True):
+            want = (GemmConfig(**swapped) if (key, bound) == ("down_fp8", 16) else
+                    dataclasses.replace(cfg0, group_m=4) if key.startswith("down") else cfg0)
+            assert (bound, cfg) == (bound0, want), (key, bound)
+    assert "down_fp8@16=" in json.loads(path.read_text())["comment"]
+    for bad, says in (("down_fp8=16", "KEY@BOUND=CONFIG"), ("down_fp8@x={}", "KEY@BOUND=CONFIG"),
+                      ("down_fp8@16={", "not JSON"), ("down_fp8@16=[1]", "not a JSON object"),
+                      ("down_fp8@17={}", "no entry 'down_fp8' with a bucket 17"), ("down@16={}", "no entry")):
+        with pytest.raises(ValueError, match=says):
+            table_ab.derive(old, [], tmp_path / "bad.json", [bad])
+
+
 def test_the_command_times_the_derived_table(tmp_path, monkeypatch, capsys):
     old = _committed(tmp_path)
     tables = []
@@ -124,4 +145,7 @@ def test_the_command_times_the_derived_table(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:  # a derived table that cannot serve: refused before any run
         table_ab.main(["--old", str(old), "--set", "down:block_m=24", "--out", str(tmp_path / "bad"), "experts"])
     assert exit_.value.code == 2 and "power of two" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        table_ab.main(["--old", str(old), "--new", str(old), "--put", "down_fp8@16={}", "experts"])
+    assert exit_.value.code == 2 and "not both" in capsys.readouterr().err
     assert len(tables) == 4

@@ -10,10 +10,12 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
     python -m epmoe.bench.table_ab --old OLD.json [--new NEW.json] [--rounds 2] [--out DIR] experts --tokens 16 128
     python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
     python -m epmoe.bench.table_ab --old OLD.json --set down:group_m=4 experts --tokens 16
+    python -m epmoe.bench.table_ab --old OLD.json --put 'down_fp8@16={"block_m": 16, ...}' moe --tokens 128
 
 NEW defaults to the checkout's table for the GPU (epmoe/kernels/configs*.json, `configs.table_path`); with
 --set, NEW is OLD with one field of every config in the entries whose key begins with a prefix set to a
-value (JSON: true, 3), written to OUT/new.json. The bench's own arguments follow its name. `git show
+value (JSON: true, 3), with --put, OLD with one bucket's config replaced (both: the settings first),
+written to OUT/new.json. The bench's own arguments follow its name. `git show
 main:epmoe/kernels/configs.json > old.json` makes OLD main's default table (on an H100: configs_h100.json).
 Points timed: experts, the Triton bf16 and fp8 MLPs (and the batched layout's bf16 where the bench runs
 it); moe, each epmoe row's GPU time (a row over tolerance is reported as such).
@@ -58,10 +60,11 @@ def times(bench: str, result: dict) -> tuple[dict[str, float], list[str]]:
     return got, bad
 
 
-def derive(old: Path, settings: list[str], out: Path) -> Path:
+def derive(old: Path, settings: list[str], out: Path, puts: list[str] = ()) -> Path:
     """OLD's table with each setting `PREFIX:FIELD=VALUE` applied to every config of the entries whose key
-    begins with PREFIX (VALUE in JSON), written to `out`; ValueError for a setting that is malformed or
-    matches no entry."""
+    begins with PREFIX (VALUE in JSON), then each `KEY@BOUND=CONFIG` of `puts` replacing the config of the
+    entry KEY's bucket BOUND with CONFIG (a JSON object), written to `out`; ValueError for a setting or put
+    that is malformed or matches no entry or bucket."""
     table = json.loads(old.read_text())
     for setting in settings:
         prefix, sep, assignment = setting.partition(":")
@@ -78,7 +81,22 @@ def derive(old: Path, settings: list[str], out: Path) -> Path:
         for key in keys:
             for _, cfg in table["tables"][key]:
                 cfg[field] = value
-    table["comment"] = f"{old} with " + ", ".join(settings)
+    for put in puts:
+        target, eq, value = put.partition("=")
+        key, at, bound = target.partition("@")
+        if not (eq and at and key and bound.isdigit()):
+            raise ValueError(f"--put takes KEY@BOUND=CONFIG (down_fp8@16='{{\"block_m\": 16, ...}}'), got {put!r}")
+        try:
+            cfg = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"--put {put!r}: the config is not JSON ({exc})") from exc
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--put {put!r}: the config is not a JSON object")
+        buckets = [entry for entry in table["tables"].get(key, ()) if entry[0] == int(bound)]
+        if not buckets:
+            raise ValueError(f"--put {put!r}: {old} has no entry {key!r} with a bucket {bound}")
+        buckets[0][1] = cfg
+    table["comment"] = f"{old} with " + ", ".join([*settings, *puts])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     return out
@@ -105,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                      "GPU, `configs.table_path`)")
     new.add_argument("--set", action="append", metavar="PREFIX:FIELD=VALUE", help="try OLD with FIELD=VALUE in "
                      "the configs of the entries whose key begins with PREFIX (repeatable)")
+    p.add_argument("--put", action="append", metavar="KEY@BOUND=CONFIG", help="try OLD (with any --set) with the "
+                   "config of entry KEY's bucket BOUND replaced by CONFIG, a JSON object (repeatable)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each table")
     p.add_argument("--out", type=Path, default=Path("table_ab"), help="folder for the runs' JSON and ab.json")
     p.add_argument("bench", choices=sorted(BENCHES))
@@ -113,7 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     order = schedule(args.rounds)
     try:  # refuse a table that cannot serve every launch before any run
         configs._table(args.old.resolve())
-        new_table = derive(args.old, args.set, args.out / "new.json") if args.set else args.new or configs.table_path()
+        if args.new and args.put:
+            raise ValueError("--put derives NEW from OLD: give --new or --put, not both")
+        new_table = (derive(args.old, args.set or [], args.out / "new.json", args.put or []) if args.set or args.put
+                     else args.new or configs.table_path())
         configs._table(new_table.resolve())
     except ValueError as exc:
         p.error(str(exc))
