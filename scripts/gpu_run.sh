@@ -15,7 +15,7 @@
 #   generate (`epmoe generate --bench`: transformers models, 4 layers), hfprofile (scripts/hf_profile.py),
 #   host (scripts/host_profile.py: a replayed call at 256 tokens and an eager one at 16384),
 #   decode (scripts/decode_sweep.py: the sweeps behind the table's decode-sized bf16 and fp8 buckets),
-#   swap (scripts/decode_sweep.py --pool swap: the pointer kernel's swap_ab tiles at decode sizes, against the table),
+#   swap (scripts/decode_sweep.py --pool swap: both kernels' swap_ab tiles at decode sizes, against the table),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
 #   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4", and the
 #   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
@@ -87,7 +87,7 @@ swap_sweeps() {
 
 table_ab() {
     [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
-    local new=() setting; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    local new=() setting put; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
     for setting in ${AB_SET:-}; do new+=(--set "$setting"); done
     for put in ${AB_PUT:-}; do new+=(--put "$put"); done
     # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose

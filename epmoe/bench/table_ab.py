@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from .._table import format_table
@@ -60,7 +61,7 @@ def times(bench: str, result: dict) -> tuple[dict[str, float], list[str]]:
     return got, bad
 
 
-def derive(old: Path, settings: list[str], out: Path, puts: list[str] = ()) -> Path:
+def derive(old: Path, settings: Sequence[str], out: Path, puts: Sequence[str] = ()) -> Path:
     """OLD's table with each setting `PREFIX:FIELD=VALUE` applied to every config of the entries whose key
     begins with PREFIX (VALUE in JSON), then each `KEY@BOUND=CONFIG` of `puts` replacing the config of the
     entry KEY's bucket BOUND with CONFIG (a JSON object), written to `out`; ValueError for a setting or put
