@@ -3,8 +3,8 @@ counts, captured on first use and replayed, so that a call costs the host three 
 of the kernels and allocations the eager path queues (about 0.4-0.5 ms of host time on the H200
 machine, more than the GPU needs for a few hundred tokens).
 
-Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a power of two), D hidden size,
-K top-k.
+Shape letters: T tokens of a call, B the bucket's tokens (T rounded up to a power of two, at most the
+graphs' max_tokens: a cap of 3000 tokens makes the buckets 1, 2, 4, ..., 2048 and 3000), D hidden size, K top-k.
 
 A call allocates its output, points the bucket's address table at its x, ids, weights and output
 (`epmoe.kernels.graph_io`: a 72-byte row of pinned host memory that the graph reads) and replays. The
@@ -43,12 +43,16 @@ def bucket_bytes(cfg: MoEConfig, tokens: int) -> int:
 
 
 def max_bucket(cfg: MoEConfig, max_bytes: int = GRAPH_MAX_BYTES) -> int:
-    """The largest bucket (a power of two, at most cfg.max_tokens_per_rank: one chunk) within max_bytes;
-    0 if not even one token fits."""
-    b = 1
-    while 2 * b <= cfg.max_tokens_per_rank and bucket_bytes(cfg, 2 * b) <= max_bytes:
-        b *= 2
-    return b if bucket_bytes(cfg, b) <= max_bytes else 0
+    """The most tokens a graph takes: cfg.max_tokens_per_rank (one chunk; the top bucket, a power of two
+    or not) if its bucket fits within max_bytes, else the largest power of two below it that does; 0 if
+    not even one token fits."""
+    b = cfg.max_tokens_per_rank
+    if bucket_bytes(cfg, b) <= max_bytes:
+        return b
+    b = 1 << (b.bit_length() - 1)
+    while b and bucket_bytes(cfg, b) > max_bytes:
+        b //= 2
+    return b
 
 
 @dataclass
@@ -143,6 +147,11 @@ class RoutedGraphs:
                 and ids_TK.stride()[1] == 1 and weights_TK.stride()[1] == 1
                 and not torch.cuda.is_current_stream_capturing())
 
+    def bucket(self, T: int) -> int:
+        """The tokens B of the bucket whose graph replays a call of 1 <= T <= max_tokens tokens: T rounded
+        up to a power of two, at most max_tokens."""
+        return min(1 << (T - 1).bit_length(), self.max_tokens)
+
     def clear(self) -> None:
         """Drop every graph (they hold the weights' addresses: call after the weights change)."""
         self._graphs.clear()
@@ -166,7 +175,7 @@ class RoutedGraphs:
         `reads_as_given` held) and have unit column strides (`rows_contiguous`): a replay costs the host
         its dozen or so microseconds of checks less."""
         T = x_TD.shape[0]
-        key = (1 << (T - 1).bit_length(), ids_TK.dtype, weights_TK.dtype)
+        key = (self.bucket(T), ids_TK.dtype, weights_TK.dtype)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)

@@ -232,8 +232,9 @@ def test_gpu_local_layer_without_host_sync(precision, T):
 @pytest.mark.gpu
 def test_gpu_graph_replays_equal_the_eager_path():
     """The routed part replayed as CUDA graphs (epmoe.graphs) gives the eager path's output bit for bit, for
-    token counts that share a bucket in any order (rows past T route nowhere), returns outputs the next
-    call does not touch, follows new weights, and runs eagerly inside the caller's own capture."""
+    token counts that share a bucket in any order (rows past T route nowhere) and in the top bucket of a cap
+    that is no power of two, returns outputs the next call does not touch, follows new weights, and runs
+    eagerly inside the caller's own capture."""
     cfg = epmoe.MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
     moe, weights = _layer(cfg, "triton", "cuda")
     eager = epmoe.FusedMoE(cfg, None, dispatcher="local", experts="triton", device="cuda", cuda_graphs=False)
@@ -248,6 +249,14 @@ def test_gpu_graph_replays_equal_the_eager_path():
         assert torch.equal(got, eager(x, weights_TK=w, ids_TK=ids)), T
         outs.append((got, got.clone()))
     assert all(torch.equal(a, b) for a, b in outs)
+    capped = [epmoe.FusedMoE(dataclasses.replace(cfg, max_tokens_per_rank=100), None, dispatcher="local",
+                             experts="triton", device="cuda", cuda_graphs=graphed) for graphed in (True, False)]
+    for layer in capped:
+        layer.load_experts(weights.w13_END, weights.w2_EDF)
+    for T in (100, 70):  # a cap of 100: its own bucket, not 64's (the power of two below it)
+        x, ids, w = _inputs(cfg, T, T, "cuda", weights_dtype=torch.bfloat16)
+        assert torch.equal(capped[0](x, weights_TK=w, ids_TK=ids), capped[1](x, weights_TK=w, ids_TK=ids)), T
+    assert [key[0] for key in capped[0].graphs._graphs] == [100]
     new = make_weights(cfg, 9, "cuda")
     for layer in (moe, eager):
         layer.load_experts(new.w13_END, new.w2_EDF)
@@ -357,15 +366,21 @@ class _Replay:
         self.replay = run
 
 
-@pytest.mark.interpreter
-def test_graph_capture_and_replays_through_the_address_table_on_cpu(kernels_on_cpu, monkeypatch):
-    """RoutedGraphs' capture and replays (epmoe.graphs) on CPU tensors, the CUDA graph replaced by running the
-    captured function again and the kernels under the interpreter: two layers sharing one GraphPool, calls
-    that reuse a bucket with fewer and more tokens and other id dtypes, each output the eager path's bit
-    for bit and untouched by the calls after it."""
-    from epmoe.graphs import GraphPool, RoutedGraphs
+@pytest.fixture
+def graphs_on_cpu(kernels_on_cpu, monkeypatch):
+    """RoutedGraphs on CPU tensors: the CUDA graph replaced by running the captured function again, the
+    kernels under the interpreter."""
+    from epmoe.graphs import RoutedGraphs
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(RoutedGraphs, "_record", lambda self, run: (run(), _Replay(run))[1])
+
+
+@pytest.mark.interpreter
+def test_graph_capture_and_replays_through_the_address_table_on_cpu(graphs_on_cpu):
+    """RoutedGraphs' capture and replays (epmoe.graphs) on CPU tensors (`graphs_on_cpu`): two layers sharing
+    one GraphPool, calls that reuse a bucket with fewer and more tokens and other id dtypes, each output the
+    eager path's bit for bit and untouched by the calls after it."""
+    from epmoe.graphs import GraphPool, RoutedGraphs
     pool = GraphPool("cpu")
     cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, dtype=torch.float32)
     layers = []
@@ -384,6 +399,38 @@ def test_graph_capture_and_replays_through_the_address_table_on_cpu(kernels_on_c
     assert all(torch.equal(a, b) for a, b in outs)
     assert {(key[0], key[4]) for key in pool._static} == {(1, torch.int64), (4, torch.int64), (8, torch.int32),
                                                            (8, torch.int64)}
+
+
+@pytest.mark.interpreter
+def test_a_cap_that_is_no_power_of_two_is_the_top_bucket(graphs_on_cpu):
+    """With max_tokens_per_rank = 6 the graphs take every call up to 6 tokens (not only up to 4, the power of
+    two below): 5 and 6 tokens replay the 6-token bucket's graph, 3 the 4-token one's, each the eager
+    path's output bit for bit."""
+    from epmoe.graphs import RoutedGraphs
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=40, intermediate_size=24, dtype=torch.float32,
+                          max_tokens_per_rank=6)
+    moe, _ = _layer(cfg, "triton", "cpu")
+    graphs = RoutedGraphs(moe._routed, cfg, torch.device("cpu"))
+    assert graphs.max_tokens == 6 and [graphs.bucket(T) for T in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    for T in (5, 6, 3):
+        x, ids, w = _inputs(cfg, T, T, "cpu")
+        assert torch.equal(graphs(x, ids, w), moe(x, weights_TK=w, ids_TK=ids)), T
+    assert sorted(key[0] for key in graphs._graphs) == [4, 6]
+
+
+def test_max_bucket_is_the_cap_or_the_largest_power_of_two_that_fits():
+    """`max_bucket`: max_tokens_per_rank itself where its bucket fits the byte budget (3000 as well as
+    4096), else the largest power of two below it that fits, else 0."""
+    from epmoe.graphs import bucket_bytes, max_bucket
+    for cap in (3000, 4096, 1):
+        cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens_per_rank=cap)
+        assert max_bucket(cfg) == cap
+        assert max_bucket(cfg, bucket_bytes(cfg, 1) - 1) == 0
+    cfg = epmoe.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, max_tokens_per_rank=3000)
+    assert max_bucket(cfg, bucket_bytes(cfg, 2999)) == 2048
+    assert max_bucket(cfg, bucket_bytes(cfg, 2048) - 1) == 1024
+    cfg = dataclasses.replace(cfg, max_tokens_per_rank=4096)
+    assert max_bucket(cfg, bucket_bytes(cfg, 4095)) == 2048
 
 
 def test_graph_pool_must_be_a_graph_pool():
