@@ -124,7 +124,7 @@ def compare(args, dev: torch.device) -> None:
                     print(f"hf backend, first calls  {' '.join(f'{v:.0f}' for v in first_calls_us(hf, 12))}")
             # the replay's parts alone
             g = moe.graphs
-            key = (1 << (T - 1).bit_length(), inp.ids_TK.dtype, inp.weights_TK.dtype)
+            key = (g.bucket(T), inp.ids_TK.dtype, inp.weights_TK.dtype)
             cap = g._graphs[key]
             out = torch.empty(T, shape.hidden_size, dtype=torch.bfloat16, device=dev)
             parts = {
