@@ -19,10 +19,13 @@
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
 #   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4", and the
 #   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
-#   AB_EXPERTS and AB_MOE: the benches' arguments)
+#   AB_EXPERTS and AB_MOE: the benches' arguments),
+#   hunt (scripts/fault_hunt.py: thousands of calls of the DeepSeek-V3 block at 512 fp8 tokens and of
+#   Qwen3-30B-A3B's at 256, graphs and eager, every output checked; memcheck on a few of Qwen3-30B-A3B's calls;
+#   HUNT_ARGS: the script's arguments instead, e.g. "--points deepseek-v3:512 --set down:pdl=false")
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile, host, decode, swap and ab). Each stage runs on its own: a failing stage is recorded and the next
-# one still runs.
+# profile, hfprofile, host, decode, swap, ab and hunt). Each stage runs on its own: a failing stage is recorded
+# and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
 # Prints a table of stages last.
@@ -98,6 +101,21 @@ table_ab() {
         ${AB_MOE:---quant bf16 fp8_block --tokens 256 1024 2048 4096}
 }
 
+fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments instead of the default three
+    local hunt=("${LIMIT[@]}" "$PY" scripts/fault_hunt.py) status=0
+    if [ -n "${HUNT_ARGS:-}" ]; then
+        eval "${hunt[*]} $HUNT_ARGS"
+        return
+    fi
+    "${hunt[@]}" --points deepseek-v3:512 qwen3-30b-a3b:256 || status=1
+    "${hunt[@]}" --points deepseek-v3:512 --eager || status=1
+    if command -v compute-sanitizer >/dev/null; then
+        "${hunt[@]}" --points qwen3-30b-a3b:256 --eager --calls 8 --sync-every 1 \
+            --wrap "compute-sanitizer --tool memcheck --print-limit 20" || status=1
+    fi
+    return "$status"
+}
+
 pytest_gpu() {  # pytest_gpu MARKER_EXPRESSION JUNIT_NAME
     local status=0
     if [ -z "${PYTEST_WORKERS:-}" ]; then
@@ -135,6 +153,7 @@ stage profile  "${LIMIT[@]}" "$PY" scripts/moe_profile.py --tokens 256 4096 1638
 stage decode   decode_sweeps
 stage swap     swap_sweeps
 stage ab       table_ab
+stage hunt     fault_hunts
 stage soak     "${EPMOE[@]}" soak --device cuda --nproc "$NPROC" --out "$OUT"
 
 {
