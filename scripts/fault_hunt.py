@@ -2,11 +2,11 @@
 
     python3 scripts/fault_hunt.py [--points deepseek-v3:512 qwen3-30b-a3b:256] [--quant fp8_block] [--calls 3000]
         [--eager] [--set down:pdl=false] [--put 'KEY@BOUND=CONFIG'] [--wrap 'compute-sanitizer --tool memcheck']
-        [--timeout 300]
+        [--experts triton|grouped_mm] [--timeout 300]
 
 Each point runs in a process of its own (a fault ends the CUDA context, and the next point still runs): a
-`local` `triton` layer as `epmoe bench moe` builds it (cfg.max_tokens_per_rank = T, CUDA graphs unless
---eager), the launch table of the GPU (or EPMOE_GEMM_TABLE), with --set / --put applied as
+`local` layer (experts `triton`, or --experts) as `epmoe bench moe` builds it (cfg.max_tokens_per_rank = T,
+CUDA graphs unless --eager), the launch table of the GPU (or EPMOE_GEMM_TABLE), with --set / --put applied as
 `epmoe.bench.table_ab` applies them. SETS input sets of T tokens (random router, as the bench's); the first
 pass over them gives each set's output, and every later call's output must equal its set's bit for bit (the
 local path is deterministic, so a race that changes a result shows as a mismatch). The host synchronizes every
@@ -36,14 +36,14 @@ from epmoe.layer import FusedMoE
 SETS = 4
 
 
-def worker(point: str, quant: str, calls: int, eager: bool, sync_every: int) -> dict:
+def worker(point: str, quant: str, experts: str, calls: int, eager: bool, sync_every: int) -> dict:
     """Build the point's layer and inputs, run `calls` calls, return what happened (a fault propagates)."""
     name, T = point.split(":")
     shape, T = SHAPES[name], int(T)
     dev = torch.device("cuda")
     fp8 = quant == "fp8_block"
     weights = make_weights(shape, fp8, 0, dev)
-    moe = FusedMoE(layer_config(shape, quant, T), None, dispatcher="local", experts="triton", device=dev,
+    moe = FusedMoE(layer_config(shape, quant, T), None, dispatcher="local", experts=experts, device=dev,
                    cuda_graphs=not eager)
     if fp8:
         q13, s13, q2, s2 = weights.fp8
@@ -75,6 +75,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--points", nargs="+", default=["deepseek-v3:512"], help="shape:T (epmoe.bench.moe.SHAPES)")
     p.add_argument("--quant", default="fp8_block", choices=["bf16", "fp8_block"])
+    p.add_argument("--experts", default="triton", choices=["triton", "grouped_mm"])
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--sync-every", type=int, default=50)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -85,7 +86,8 @@ def main() -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.quant, args.calls, args.eager, args.sync_every)))
+        result = worker(args.worker, args.quant, args.experts, args.calls, args.eager, args.sync_every)
+        print("RESULT " + json.dumps(result))
         return 0
     env = dict(os.environ)
     if args.set or args.put:
@@ -95,7 +97,8 @@ def main() -> int:
     failed = 0
     for point in args.points:
         cmd = [*shlex.split(args.wrap), sys.executable, __file__, "--worker", point, "--quant", args.quant,
-               "--calls", str(args.calls), "--sync-every", str(args.sync_every), *(["--eager"] if args.eager else [])]
+               "--experts", args.experts, "--calls", str(args.calls), "--sync-every", str(args.sync_every),
+               *(["--eager"] if args.eager else [])]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -107,7 +110,7 @@ def main() -> int:
         result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         bad = rc != 0 or result is None or result["mismatches"] > 0
         failed += bad
-        label = f"{point} {args.quant}{' eager' if args.eager else ''} {' '.join(args.set + args.put)}".strip()
+        label = " ".join([point, args.quant, args.experts, *(["eager"] if args.eager else []), *args.set, *args.put])
         print(f"{label}: rc {rc}, {time.perf_counter() - t0:.0f} s, {json.dumps(result)}", flush=True)
         if bad or args.wrap:
             lines = [line for line in out.splitlines() if not line.startswith("RESULT ")]
