@@ -102,13 +102,13 @@ def _pointer_config(op: str, dtype: str, bound: int, gather: bool | None, gpu: s
 
 def _pointer_kernel(op: str, dtype: str, bound: int, quant_a: bool, gather: bool | None = None,
                     dependent: bool = False, gpu: str = "", swap: bool = False):
-    """The pointer kernel as the launcher runs it on Hopper (`_pointer_config`; swap: with swap_ab set); a
-    gate-up lets its dependent start early, a dependent down waits for it."""
+    """The pointer kernel as the launcher runs it on Hopper (`_pointer_config`; swap: with swap_ab set, else
+    as the entry sets it); a gate-up lets its dependent start early, a dependent down waits for it."""
     from epmoe.kernels.grouped_gemm import GDC_NONE, GDC_TRIGGER, GDC_WAIT, _grouped_gemm_kernel
     fp8 = dtype == "fp8e4nv"
     gate = op == "gate_up"
     cfg, gather = _pointer_config(op, dtype, bound, gather, gpu)
-    cfg = dataclasses.replace(cfg, swap_ab=swap)
+    cfg = dataclasses.replace(cfg, swap_ab=cfg.swap_ab or swap)
     quant_out = gate and fp8 and cfg.block_n == 128
     a = "*bf16" if quant_a else f"*{dtype}"
     c = ("*fp8e4nv" if quant_out else "*fp32") if gate and fp8 else f"*{dtype}"
@@ -229,7 +229,8 @@ def pointer_jobs() -> list:
     for job in jobs:
         _, op, dtype, bound, quant_a, gather, dependent, gpu, swap = job
         cfg, gathered = _pointer_config(op, dtype, bound, gather, gpu)
-        kernels.setdefault((op, dtype, cfg, quant_a, gathered, bound <= 64 and not gathered, dependent, swap), job)
+        kernels.setdefault((op, dtype, dataclasses.replace(cfg, swap_ab=cfg.swap_ab or swap), quant_a, gathered,
+                            bound <= 64 and not gathered, dependent), job)
     return list(kernels.values())
 
 
