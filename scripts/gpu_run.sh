@@ -20,11 +20,12 @@
 #   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4", and the
 #   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
 #   AB_EXPERTS and AB_MOE: the benches' arguments),
-#   hunt (scripts/fault_hunt.py: thousands of calls of the DeepSeek-V3 block at 512 fp8 tokens and of
-#   Qwen3-30B-A3B's at 256, graphs and eager, every output checked; memcheck on a few of Qwen3-30B-A3B's calls;
-#   HUNT_ARGS: the script's arguments instead, e.g. "--points deepseek-v3:512 --set down:pdl=false")
+#   hunt (scripts/fault_hunt.py: 1000 calls of the fp8 block at each decode-sized point of DeepSeek-V3 and one
+#   of each other shape, back to back, in graphs and (DeepSeek-V3 256 and 512) eagerly, every output checked;
+#   memcheck on a few of Qwen3-30B-A3B's calls; HUNT_ARGS: the script's arguments instead, e.g.
+#   "--points deepseek-v3:512 --set down:pdl=false")
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
-# profile, hfprofile, host, decode, swap, ab and hunt). Each stage runs on its own: a failing stage is recorded
+# profile, hfprofile, host, decode, swap and ab). Each stage runs on its own: a failing stage is recorded
 # and the next one still runs.
 # Uses the installed torch/triton with this checkout on PYTHONPATH (nothing is downloaded). Each stage
 # is stopped after STAGE_TIMEOUT seconds (default 900). The exit code is the number of failed stages.
@@ -33,7 +34,7 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${1:-./results}"
-STAGES="${2:-env,tests,tests2,unmarked,check,demo,experts,moe,generate,dispatch,ll,layer,gemm,soak}"
+STAGES="${2:-env,tests,tests2,unmarked,check,demo,experts,moe,generate,dispatch,ll,layer,gemm,soak,hunt}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -107,8 +108,9 @@ fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments
         eval "${hunt[*]} $HUNT_ARGS"
         return
     fi
-    "${hunt[@]}" --points deepseek-v3:512 qwen3-30b-a3b:256 || status=1
-    "${hunt[@]}" --points deepseek-v3:512 --eager || status=1
+    "${hunt[@]}" --calls 1000 --points deepseek-v3:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024 \
+        qwen3-30b-a3b:256 deepseek-v2-lite:256 mixtral-8x7b:64 || status=1
+    "${hunt[@]}" --calls 1000 --points deepseek-v3:256 deepseek-v3:512 --eager || status=1
     if command -v compute-sanitizer >/dev/null; then
         "${hunt[@]}" --points qwen3-30b-a3b:256 --eager --calls 8 --sync-every 1 \
             --wrap "compute-sanitizer --tool memcheck --print-limit 20" || status=1
