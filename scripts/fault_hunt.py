@@ -103,10 +103,10 @@ def main() -> int:
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             out, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            out, rc = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {args.timeout:.0f} s", "timeout"
-        if isinstance(out, bytes):
-            out = out.decode(errors="replace")
+        except subprocess.TimeoutExpired as exc:  # (its output so far comes as bytes)
+            out = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                          for part in (exc.stdout, exc.stderr))
+            out, rc = f"{out}\ntimed out after {args.timeout:.0f} s", "timeout"
         result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         bad = rc != 0 or result is None or result["mismatches"] > 0
         failed += bad
