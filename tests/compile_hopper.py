@@ -229,8 +229,8 @@ def pointer_jobs() -> list:
     for job in jobs:
         _, op, dtype, bound, quant_a, gather, dependent, gpu, swap = job
         cfg, gathered = _pointer_config(op, dtype, bound, gather, gpu)
-        kernels.setdefault((op, dtype, dataclasses.replace(cfg, swap_ab=cfg.swap_ab or swap), quant_a, gathered,
-                            bound <= 64 and not gathered, dependent), job)
+        kernels.setdefault((op, dtype, cfg, quant_a, gathered, bound <= 64 and not gathered, dependent,
+                            swap or cfg.swap_ab), job)
     return list(kernels.values())
 
 
