@@ -22,7 +22,8 @@
 #   AB_EXPERTS and AB_MOE: the benches' arguments),
 #   hunt (scripts/fault_hunt.py: 1000 calls of the fp8 block at each decode-sized point of DeepSeek-V3 and one
 #   of each other shape, back to back, in graphs and (DeepSeek-V3 256 and 512) eagerly, every output checked;
-#   memcheck on a few of Qwen3-30B-A3B's calls; HUNT_ARGS: the script's arguments instead, e.g.
+#   memcheck on a few of Qwen3-30B-A3B's calls; a faulting kernel's GPU core dump read by cuda-gdb: its kernel,
+#   exception and source line; HUNT_ARGS: the script's arguments instead, e.g.
 #   "--points deepseek-v3:512 --set down:pdl=false")
 # (gemm: `epmoe bench experts --tune`, the checked launch-config sweep behind the table) (default: all but
 # profile, hfprofile, host, decode, swap and ab). Each stage runs on its own: a failing stage is recorded
@@ -102,19 +103,36 @@ table_ab() {
         ${AB_MOE:---quant bf16 fp8_block --tokens 256 1024 2048 4096}
 }
 
+# A kernel that faults leaves a GPU core dump without memory contents (~150 MB, in a temporary folder, not
+# $OUT); cuda-gdb names its kernel, the exception and the source line.
+gpu_cores() {  # gpu_cores DIR: each core's exception and line
+    local core
+    for core in "$1"/core.*; do
+        [ -f "$core" ] || continue
+        echo "GPU core dump $core:"
+        timeout 120 cuda-gdb -batch -ex "target cudacore $core" 2>&1 | grep -E "CUDA Exception|triggered at|^#0"
+    done
+}
+
 fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments instead of the default three
-    local hunt=("${LIMIT[@]}" "$PY" scripts/fault_hunt.py) status=0
+    local cores status=0
+    cores="$(mktemp -d)"
+    local hunt=("${LIMIT[@]}" env CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 "CUDA_COREDUMP_FILE=$cores/core.%p"
+                CUDA_COREDUMP_GENERATION_FLAGS=skip_global_memory,skip_shared_memory,skip_local_memory,skip_abort
+                "$PY" scripts/fault_hunt.py)
     if [ -n "${HUNT_ARGS:-}" ]; then
-        eval "${hunt[*]} $HUNT_ARGS"
-        return
+        eval "${hunt[*]} $HUNT_ARGS" || status=1
+        gpu_cores "$cores"
+        return "$status"
     fi
     "${hunt[@]}" --calls 1000 --points deepseek-v3:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024 \
         qwen3-30b-a3b:256 deepseek-v2-lite:256 mixtral-8x7b:64 || status=1
     "${hunt[@]}" --calls 1000 --points deepseek-v3:256 deepseek-v3:512 --eager || status=1
     if command -v compute-sanitizer >/dev/null; then
-        "${hunt[@]}" --points qwen3-30b-a3b:256 --eager --calls 8 --sync-every 1 \
+        "${LIMIT[@]}" "$PY" scripts/fault_hunt.py --points qwen3-30b-a3b:256 --eager --calls 8 --sync-every 1 \
             --wrap "compute-sanitizer --tool memcheck --print-limit 20" || status=1
     fi
+    gpu_cores "$cores"
     return "$status"
 }
 
