@@ -74,6 +74,21 @@ def wgmma_serialized(kernel) -> bool:
     return "C7514" in log
 
 
+def barrier_inits_fenced(ptx: str) -> bool:
+    """Whether a kernel's mbarrier inits reach the async proxy before a TMA copy, which completes on one of
+    them (the CUDA programming guide's fence.proxy.async after the init): in the PTX's order, no copy after
+    an init without a proxy fence between them."""
+    pending = False  # an init that no fence has followed yet
+    for line in ptx.splitlines():
+        if "mbarrier.init" in line:
+            pending = True
+        elif "fence.proxy.async" in line:
+            pending = False
+        elif pending and "cp.async.bulk.tensor" in line and "mbarrier::complete_tx" in line:
+            return False
+    return True
+
+
 def table_gpus() -> list[str]:
     """One GPU name per committed launch table: the tables whose configs are compiled (the default table
     among them: it lists the GPU it was tuned on)."""
@@ -299,6 +314,8 @@ def run_job(job) -> tuple[str, list[str]]:
         failures.append(f"{tag}: ptxas serializes its wgmma")
     if cfg.swap_ab and "wgmma" not in kernel.asm["ptx"]:  # the weights fill the wgmma's 64-row M side
         failures.append(f"{tag}: swap_ab without wgmma")
+    if job[0] == "ws" and not barrier_inits_fenced(kernel.asm["ptx"]):  # (the pointer kernel's are Triton's)
+        failures.append(f"{tag}: a TMA copy completes on an mbarrier before a proxy fence follows its init")
     return f"{tag}: shared {shared} B, spills {spills} B{', wgmma serialized' if serialized else ''}", failures
 
 

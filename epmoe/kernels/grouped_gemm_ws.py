@@ -713,6 +713,9 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_pt
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1 + (_GATHER_ARRIVALS if META.gather else 0))
         mbarrier.init(empty.index(i), count=2 if META.schedule == 2 else 1)  # split: both consumers
+    # The inits made visible to the async proxy, whose TMA copies complete their bytes on them, as the CUDA
+    # programming guide's TMA example does (fence.proxy.async after mbarrier.init).
+    fence_async_shared()
     if META.claim:  # a tile-number slot per stage
         ids = gl.allocate_shared_memory(gl.int32, [MAX_CLAIM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     else:
