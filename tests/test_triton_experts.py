@@ -6,6 +6,7 @@ is set below, before anything imports triton); with CUDA the same small cases ru
 """
 import dataclasses
 import functools
+import itertools
 import json
 import os
 
@@ -306,7 +307,8 @@ def test_swapped_warp_specialized_configs_are_checked():
     for) and the expert's block_m rows its N side (16 or more); not on the split schedule, whose consumers split
     a tile's rows."""
     GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, warp_specialize="cooperative", swap_ab=True)
-    GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, warp_specialize="interleaved", swap_ab=True)
+    GemmConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4, warp_specialize="interleaved",
+               swap_ab=True)
     for block_n in (64, 256):
         with pytest.raises(ValueError, match="block_n 128"):
             GemmConfig(block_m=16, block_n=block_n, block_k=128, num_warps=8, warp_specialize="cooperative",
@@ -527,7 +529,7 @@ def test_config_table_is_valid_and_choice_is_pure():
         GemmConfig(block_m=24, block_n=32, block_k=32)
 
 
-WS = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=5, warp_specialize="interleaved")
+WS = GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6, warp_specialize="interleaved")
 
 
 def test_routed_rows_in_order_take_the_scattered_launch_config(monkeypatch):
@@ -546,8 +548,44 @@ def test_routed_rows_in_order_take_the_scattered_launch_config(monkeypatch):
     assert asked == [(op, not b and h is None) for b, h in scattered for op in ("gate_up", "down")]
 
 
+def interleaved_ring(n_mine: int, steps: int, lone_stride: int) -> tuple[list[int], dict[int, int]]:
+    """The interleaved schedule's ring as grouped_gemm_ws lays it out for one program of n_mine tiles of
+    `steps` K blocks: (the positions its loader fills, in order; {position: the consumer that takes it}),
+    `_ws_load`'s pairs and `_ring_slot`'s positions (a pair's tiles alternate; a lone last tile on every
+    lone_stride-th position: 2 in the kernel)."""
+    fills, owner = [], {}
+    for p in range(-(-n_mine // 2)):
+        full = 2 * p + 1 < n_mine
+        for kk in range(steps):
+            pos = 2 * p * steps + (2 if full else lone_stride) * kk
+            fills += [pos, pos + 1] if full else [pos]
+            owner.update({pos: 0, pos + 1: 1} if full else {pos: 0})
+    return fills, owner
+
+
+@pytest.mark.parametrize("lone_stride,stages,safe", [(2, 4, True), (2, 6, True), (2, 8, True), (1, 6, False),
+                                                     (2, 5, False)])
+def test_interleaved_consumers_keep_their_own_stages(lone_stride, stages, safe):
+    """An mbarrier tells only its phase's parity, so a consumer's wait on a stage for position pos is sound
+    only if the stage's fill before it (its last filled position below pos) was the same consumer's, which
+    it waited for; else, with that fill still in flight, the wait passes at once. The kernel's layout (a
+    lone tile on its consumer's own positions, an even count of stages) keeps that for every tile count and
+    K; a lone tile on consecutive positions, or an odd count of stages, does not."""
+    violations = 0
+    for n_mine, steps in itertools.product(range(1, 8), (1, 2, 3, 5, 16)):
+        fills, owner = interleaved_ring(n_mine, steps, lone_stride)
+        assert fills == sorted(fills) and sorted(owner) == fills  # filled in order, each taken once
+        last = {}  # stage -> its last filled position
+        for pos in fills:
+            stage = pos % stages
+            violations += stage in last and owner[last[stage]] != owner[pos]
+            last[stage] = pos
+    assert (violations == 0) == safe
+
+
 def test_warp_specialized_configs_are_validated_and_have_a_pointer_variant():
     for bad in (dict(warp_specialize="coop"), dict(num_warps=8), dict(block_m=32), dict(num_stages=2),
+                dict(num_stages=5),  # (interleaved consumers keep their own stages: an even count)
                 dict(warp_specialize="split")):  # (split consumers take half of block_m rows each: >= 128)
         with pytest.raises(ValueError, match="warp_specialize"):
             GemmConfig(**{**WS.to_dict(), **bad})

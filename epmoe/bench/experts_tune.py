@@ -84,7 +84,8 @@ def ws_config(schedule: str, m: int, n: int, k: int, stages: int, pipe: bool = F
 # PIPE_MMA's gate-up (two block results of the gate and the up).
 # The interleaved bf16 gate-up (64x128x64, 5 stages) is left out: it twice misbehaved in the tuner's checks
 # on the H200 (an unspecified launch failure at Mixtral-8x7B's shape, a wrong result at V2-Lite's: rel.
-# error 0.032), never reproduced and never understood; it won no bucket. The cooperative gate-ups run also with
+# error 0.032), as the schedule's ring does with an odd count of stages, which GemmConfig now refuses
+# (grouped_gemm_ws._ring_slot); it won no bucket. The cooperative gate-ups run also with
 # claim_tiles (the programs take tiles from a counter: 1.01-1.07x at 128 rows per expert, 0.98-0.99x at 256 in
 # `bench experts`, BENCHMARKS.md "what we tried"), so that the tuner decides it per bucket.
 WS_CANDIDATES = {
@@ -147,9 +148,10 @@ def swap_candidates(op: str, fp8: bool) -> list[GemmConfig]:
         stage = (bm + (2 if gate else 1) * 128) * bk * size
         for schedule in ("cooperative",) if gate or bm == 64 else ("cooperative", "interleaved"):
             consumers = 2 if schedule == "interleaved" else 1
-            scratch = configs_mod.swap_scratch_bytes(ws_config(schedule, bm, 128, bk, 3, swap=True))
+            scratch = configs_mod.swap_scratch_bytes(ws_config(schedule, bm, 128, bk, 4, swap=True))
             fixed = 1024 + consumers * scratch + (0 if (gate and fp8) or consumers == 2 else bm * 128 * 2)
             stages = min(5 if gate else 6, (configs_mod.SHARED_BYTES - fixed) // stage)
+            stages -= stages % consumers  # (interleaved consumers: an even count)
             pipes = (True, False) if fp8 and schedule == "cooperative" and not (gate and bm == 64) else (False,)
             out += [ws_config(schedule, bm, 128, bk, stages, pipe=pipe, claim=gate, swap=True) for pipe in pipes]
     return out

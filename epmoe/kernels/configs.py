@@ -53,12 +53,12 @@ class GemmConfig:
     pointer loads).
     warp_specialize: one of WS_SCHEDULES to run the warp-specialized Gluon kernel on Hopper (TMA
     loader warps, wgmma consumers; num_warps is per consumer: 8 cooperative, else 4; num_stages is its
-    ring of shared-memory stages, >= 3); launches it cannot serve (rows through an index with K not a
-    multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`. None: the pointer
-    kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first promoted while
-    the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages): the programs take
-    their tiles from an atomic counter, so that SMs with a larger share of the memory bandwidth take more
-    of them (under CUDA graph capture too: `grouped_gemm_ws.tile_counter`).
+    ring of shared-memory stages, >= 3, even for interleaved); launches it cannot serve (rows through an
+    index with K not a multiple of block_k, fp32, other GPUs, the interpreter) run `pointer_variant()`.
+    None: the pointer kernel. pipe_mma (fp8, warp specialized): two K blocks' wgmma in flight, the first
+    promoted while the second runs. claim_tiles (cooperative schedule, at most CLAIM_MAX_STAGES stages):
+    the programs take their tiles from an atomic counter, so that SMs with a larger share of the memory
+    bandwidth take more of them (under CUDA graph capture too: `grouped_gemm_ws.tile_counter`).
     pdl (down GEMMs, on Hopper): where the caller says that the gate-up which wrote h is the last work
     queued before it (`grouped_gemm.down`'s follows_gate_up), the down launches as that gate-up's
     programmatic dependent: its programs start on idle SMs and those the gate-up's programs leave, build
@@ -99,6 +99,9 @@ class GemmConfig:
             if self.num_warps != warps or (self.block_m < rows and not self.swap_ab) or self.num_stages < 3:
                 raise ValueError(f"GemmConfig: warp_specialize={self.warp_specialize!r} needs num_warps={warps}, "
                                  f"block_m >= {rows} (wgmma) and num_stages >= 3, got {self}")
+            # each interleaved consumer keeps its own stages (grouped_gemm_ws._ring_slot)
+            if self.warp_specialize == "interleaved" and self.num_stages % 2:
+                raise ValueError(f"GemmConfig: warp_specialize='interleaved' needs an even num_stages, got {self}")
             # swapped, the weights' block_n rows are the wgmma's M side: the schedules take 128 (compiled and
             # tested so), not split (whose consumers split a tile's rows)
             if self.swap_ab and (self.warp_specialize == "split" or self.block_n != 128):

@@ -242,13 +242,19 @@ def _k_steps(K, META: gl.constexpr):
 @gluon.jit
 def _ring_slot(j, n_mine, steps, META: gl.constexpr):
     """(first ring position, stride) of the K blocks of this program's j-th tile (of n_mine): tile after
-    tile (cooperative), or (interleaved) the two tiles of a pair alternating block by block, a pair's lone tile alone."""
+    tile (cooperative), or (interleaved) the two tiles of a pair alternating block by block, consumer c on
+    the positions c mod 2, a pair's lone tile (the program's last) too, the odd positions beside it left
+    empty. With an even count of stages (`Meta` asserts it) each consumer so keeps its own stages: a
+    consumer's wait on a stage for its position then follows its own wait on the stage's fill before (an
+    mbarrier tells only its phase's parity; a wait on a stage whose earlier fill, for the other consumer,
+    was still in flight passed at once, and the release after it let the loader arrive on a phase still
+    pending: "Warp Illegal Instruction" at the loader's arrive, or a wrong result, at DeepSeek-V3's fp8 down
+    on H100s)."""
     pos0 = j * steps
     stride = pos0 * 0 + 1
     if META.schedule == 1:
-        full = ((j // 2) * 2 + 1 < n_mine).to(gl.int32)
-        pos0 = (j // 2) * 2 * steps + full * (j % 2)
-        stride = 1 + full
+        pos0 = (j // 2) * 2 * steps + j % 2
+        stride = stride * 2
     return pos0, stride
 
 
@@ -388,13 +394,12 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
             row0, b_row, gathered = _tile_source(tile, tile_map, args, META)
             row2, b_row2, gathered2 = _tile_source(tile + nprog * full.to(gl.int32), tile_map, args, META)
             pos = 2 * p * steps
-            for kk in range(steps):
+            for kk in range(steps):  # (`_ring_slot`: a lone tile's odd positions stay empty)
                 k0 = gl.minimum(kk, k_tiles - 1) * META.block_k  # a padding step reloads the last block
                 _load_block(a_desc, b_desc, ring, pos, row0, b_row, k0, N, gathered, META)
-                pos += 1
                 if full:
-                    _load_block(a_desc, b_desc, ring, pos, row2, b_row2, k0, N, gathered2, META)
-                    pos += 1
+                    _load_block(a_desc, b_desc, ring, pos + 1, row2, b_row2, k0, N, gathered2, META)
+                pos += 2
     elif META.claim:
         pos = 0
         tile = gl.atomic_add(counter_ptr, 1)
@@ -690,6 +695,7 @@ def _ws_gemm_kernel(a_desc, b_desc, c_desc, a_ptr, a_rows_ptr, a_scale_ptr, b_pt
     gl.static_assert(not META.quant_out or (META.gate_up and META.fp8 and META.block_n == _SCALE_GROUP),
                      "fp8 h output needs the gate-up fp8 kernel with block_n == 128")
     gl.static_assert(META.schedule == 0 or gl.num_warps() == 4, "two consumers have 4 warps each")
+    gl.static_assert(META.schedule != 1 or META.stages % 2 == 0, "interleaved consumers: an even count of stages")
     gl.static_assert(not META.tma_store or (META.schedule != 1 and not META.quant_out),
                      "TMA stores: the cooperative and split schedules' 16-bit outputs")
     gl.static_assert(META.schedule != 2 or META.block_m >= 128, "split consumers take 64 rows or more each")
