@@ -240,16 +240,15 @@ def _k_steps(K, META: gl.constexpr):
 
 
 @gluon.jit
-def _ring_slot(j, n_mine, steps, META: gl.constexpr):
-    """(first ring position, stride) of the K blocks of this program's j-th tile (of n_mine): tile after
-    tile (cooperative), or (interleaved) the two tiles of a pair alternating block by block, consumer c on
-    the positions c mod 2, a pair's lone tile (the program's last) too, the odd positions beside it left
-    empty. With an even count of stages (`Meta` asserts it) each consumer so keeps its own stages: a
-    consumer's wait on a stage for its position then follows its own wait on the stage's fill before (an
-    mbarrier tells only its phase's parity; a wait on a stage whose earlier fill, for the other consumer,
-    was still in flight passed at once, and the release after it let the loader arrive on a phase still
-    pending: "Warp Illegal Instruction" at the loader's arrive, or a wrong result, at DeepSeek-V3's fp8 down
-    on H100s)."""
+def _ring_slot(j, steps, META: gl.constexpr):
+    """(first ring position, stride) of the K blocks of this program's j-th tile: tile after tile
+    (cooperative), or (interleaved) the two tiles of a pair alternating block by block, consumer c on the
+    positions c mod 2, and so a pair's lone tile (the program's last) too, the odd positions beside it
+    left empty. With an even count of stages (the kernel asserts it) each consumer so keeps its own
+    stages, and its wait on a stage follows its own wait on the stage's fill before: an mbarrier tells only
+    its phase's parity, and a lone tile on consecutive positions waited on stages whose fill for the other
+    consumer could still be landing; such a wait passed at once (DeepSeek-V3's fp8 down on H100s: "Warp
+    Illegal Instruction" at the loader's arrive on the stage after the early release, or a wrong result)."""
     pos0 = j * steps
     stride = pos0 * 0 + 1
     if META.schedule == 1:
@@ -427,7 +426,7 @@ def _ws_load(a_desc, b_desc, ring, args, META: gl.constexpr):
 def _issue(ring, pos, t, UP: gl.constexpr, USE_ACC: gl.constexpr, META: gl.constexpr):
     """Wait for ring position pos, then issue t (+)= A B^T (UP: B's up tile; swap: t (+)= B A^T) of its
     stage, not waiting for the wgmma (split: the consumer's rows of A, from `Meta.row_off`)."""
-    a_bufs, b_bufs, bu_bufs, ready, empty = ring[0], ring[1], ring[2], ring[3], ring[4]
+    a_bufs, b_bufs, bu_bufs, ready = ring[0], ring[1], ring[2], ring[3]
     s = pos % META.stages
     mbarrier.wait(ready.index(s), (pos // META.stages) & 1)
     if META.gather:
@@ -618,7 +617,7 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     while j < n_mine:
         expert, row0, row_end, pid_n = _tile_coords(tile, e, base, count, tiles, tiles_end,
                                                     num_tiles_m, num_tiles_n, META.group_m, META.block_m)
-        pos0, stride = _ring_slot(j, n_mine, steps, META)
+        pos0, stride = _ring_slot(j, steps, META)
         offs_m = row0 + ROW_OFF + gl.arange(0, TILE_M, layout=rows_l)
         m_mask = offs_m < row_end
         if META.fp8:
