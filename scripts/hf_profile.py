@@ -163,8 +163,9 @@ def main() -> None:
             for backend in args.backends:
                 model.set_experts_implementation(backend)
                 cache = getattr(model(decode_ids, use_cache=True), cache_name)
-                steps = {"prefill": lambda: model(prefill_ids, use_cache=False, logits_to_keep=1),
-                         "decode": lambda: (model(decode_ids, use_cache=True, **{cache_name: cache}), cache.crop(-1))}
+                steps = {"prefill": lambda m=model: m(prefill_ids, use_cache=False, logits_to_keep=1),
+                         "decode": lambda m=model, c=cache: (m(decode_ids, use_cache=True, **{cache_name: c}),
+                                                             c.crop(-1))}
                 for name, step in steps.items():
                     r = profile_step(model, name, step, calls, clock, out, f"{preset}-{backend}-{name}",
                                      trace=backend in args.trace_backends)

@@ -4,7 +4,6 @@ dispatchers, checkpoints read by the slice (and the memory that takes), transfor
 parallelism with ep_implementation="epmoe", and `epmoe generate`."""
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
