@@ -21,7 +21,8 @@
 #   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
 #   AB_EXPERTS and AB_MOE: the benches' arguments),
 #   hunt (scripts/fault_hunt.py: 1000 calls of the fp8 block at each decode-sized point of DeepSeek-V3 and one
-#   of each other shape, back to back, in graphs and (DeepSeek-V3 256 and 512) eagerly, every output checked;
+#   of each other shape, back to back, in graphs and (DeepSeek-V3 256 and 512) eagerly, and 24 processes of 20
+#   eager calls at DeepSeek-V3 256, every output checked;
 #   memcheck on a few of Qwen3-30B-A3B's calls; a faulting kernel's GPU core dump read by cuda-gdb: its kernel,
 #   exception and source line; HUNT_ARGS: the script's arguments instead, e.g.
 #   "--points deepseek-v3:512 --set down:pdl=false")
@@ -128,6 +129,9 @@ fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments
     "${hunt[@]}" --calls 1000 --points deepseek-v3:128 deepseek-v3:256 deepseek-v3:512 deepseek-v3:1024 \
         qwen3-30b-a3b:256 deepseek-v2-lite:256 mixtral-8x7b:64 || status=1
     "${hunt[@]}" --calls 1000 --points deepseek-v3:256 deepseek-v3:512 --eager || status=1
+    # the H100 fault came mostly in a process's first calls: many short processes (~8 s each)
+    # shellcheck disable=SC2046  # one point a word
+    "${hunt[@]}" --calls 20 --eager --timeout 60 --points $(printf 'deepseek-v3:256 %.0s' $(seq 24)) || status=1
     if command -v compute-sanitizer >/dev/null; then
         "${LIMIT[@]}" "$PY" scripts/fault_hunt.py --points qwen3-30b-a3b:256 --eager --calls 8 --sync-every 1 \
             --wrap "compute-sanitizer --tool memcheck --print-limit 20" || status=1
