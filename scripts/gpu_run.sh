@@ -115,7 +115,7 @@ gpu_cores() {  # gpu_cores DIR: each core's exception and line
     done
 }
 
-fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments instead of the default three
+fault_hunts() {  # HUNT_ARGS: one scripts/fault_hunt.py run with these arguments instead of the default runs
     local cores status=0
     cores="$(mktemp -d)"
     local hunt=("${LIMIT[@]}" env CUDA_ENABLE_COREDUMP_ON_EXCEPTION=1 "CUDA_COREDUMP_FILE=$cores/core.%p"
