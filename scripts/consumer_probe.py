@@ -23,10 +23,9 @@ from mlp_parts import mlp_calls  # scripts/, on sys.path as the running script's
 
 _SCALES = "return gl.load(a_scale_ptrs + g) * (gl.load(b_scale_at + g) * (kk < k_tiles).to(gl.float32))"
 _NO_SCALES = "return gl.full_like(a_scale_ptrs, 1.0, dtype=gl.float32) * (kk < k_tiles).to(gl.float32)"
-_STORES = ("            _store_masked(c_ptr, q, offs_m, offs_n, m_mask, N)\n"
-           "            gl.store(c_scale_ptr + offs_m.to(gl.int64) * G_C + pid_n, scale, mask=m_mask)")
-_NO_STORES = _STORES.replace("m_mask, N)", "m_mask & (offs_m < 0), N)").replace(
-    "mask=m_mask)", "mask=m_mask & (offs_m < 0))")
+_STORES = ("            gl.store(c_scale_ptr + offs_m.to(gl.int64) * G_C + pid_n, scale, mask=m_mask)\n"
+           "            _store_tile(c_ptr, q, row0 + ROW_OFF, row_end, pid_n * BLOCK_N, N, META)")
+_NO_STORES = _STORES.replace("mask=m_mask)", "mask=m_mask & (offs_m < 0))").replace("row_end, pid_n", "-1, pid_n")
 
 
 def variants() -> dict:

@@ -167,6 +167,7 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
     out = torch.empty(1, 64, dtype=torch.float8_e4m3fn if quant_out else (
         torch.float32 if gate and fp8 else torch.bfloat16))
     tma_store = ws.uses_tma_store(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, quant_out)
+    store_rows = ws.uses_row_stores(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, tma_store)
     c_block = ws.tma_store_block(cfg)
     c_desc = (f"tensordesc<bf16{c_block},{gl.NVMMASharedLayout.get_default_for(c_block, gl.bfloat16)!r}>"
               if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")
@@ -179,7 +180,7 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
         stride_bsn="i32",
         G_A="i32", G_C="i32")
     meta = ws.Meta(schedule=ws.SCHEDULES[cfg.warp_specialize], batched=False, gather=gather, gate_up=gate,
-                   fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store,
+                   fp8=fp8, pipe_blocks=pipe_blocks, quant_out=quant_out, tma_store=tma_store, store_rows=store_rows,
                    has_row_scale=not gate, lanes=ws.MAX_EXPERTS, block_m=cfg.block_m, block_n=cfg.block_n,
                    block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
                    gdc_wait=cfg.pdl, swap=cfg.swap_ab)

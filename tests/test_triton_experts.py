@@ -1107,6 +1107,26 @@ def test_pipelined_fp8_loop_blocks_per_iteration():
     assert down == {1: 2, 2: 2, 3: 3, 5: 3, 6: 3, 7: 4, 11: 4, 12: 4, 16: 4, 17: 3, 56: 4}
     assert {ws.pipe_blocks(k, True) for k in (1, 6, 16, 17)} == {2}
 
+
+def test_row_stores_where_the_consumers_tiles_fit():
+    """Tiles stored from registers go through rows of 16 bytes a thread (`uses_row_stores`) in the fp8 decode
+    entries (the gate-up's h, the interleaved down's y), not where a TMA store serves the tiles, where the
+    consumers' tiles in C's dtype do not fit beside the ring, or where a row is over 32 such pieces."""
+    ws = pytest.importorskip("epmoe.kernels.grouped_gemm_ws")
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    out8, out16, out32 = (torch.empty(4, 256, dtype=d) for d in (fp8, bf16, torch.float32))
+
+    def cfg(schedule, m, n, k, stages):
+        return configs.GemmConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=8 if schedule ==
+                                  "cooperative" else 4, num_stages=stages, warp_specialize=schedule)
+    assert ws.uses_row_stores(cfg("cooperative", 64, 128, 128, 5), fp8, out8, True, False)  # 214016 B
+    assert ws.uses_row_stores(cfg("interleaved", 64, 128, 128, 6), fp8, out16, False, False)  # 181248 B
+    assert ws.uses_row_stores(cfg("split", 128, 128, 128, 4), fp8, out8, True, False)  # 214016 B
+    assert not ws.uses_row_stores(cfg("interleaved", 128, 128, 64, 6), bf16, out16, False, False)  # 263168 B
+    assert not ws.uses_row_stores(cfg("split", 128, 256, 64, 3), bf16, out16, False, True)  # TMA store
+    assert not ws.uses_row_stores(cfg("cooperative", 64, 256, 64, 3), bf16, out32, True, False)  # 1 KB rows
+
+
 @pytest.mark.gpu
 def test_warp_specialized_kernel_is_not_used_where_it_cannot_serve():
     """A down GEMM through a row index, float32, and a K row length TMA cannot address take the pointer

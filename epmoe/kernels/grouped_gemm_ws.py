@@ -44,6 +44,10 @@ The epilogue of a tile whose rows all belong to its expert goes through shared m
 the consumer goes on to the next tile's MMAs while the copy engine writes, and waits for it only before
 the next such epilogue); the other tiles store from registers with masks: rows past the expert's end
 (the next expert's rows, or TMA's zero fill past R) and columns past N are computed but never stored.
+Without a TMA store (the fp8 h, the interleaved schedule) a tile goes first through shared memory into a
+layout of 16 contiguous bytes of a row a thread (`Meta.store_rows`, where the consumers' tiles fit beside
+the ring: `uses_row_stores`), so that a store instruction writes 16 bytes and not the wgmma layout's 2
+columns: the fp8 MLP 1.00-1.12x on an H100 (BENCHMARKS.md, experts).
 
 A gate-up may read its rows through a row index (`Meta.gather`: row i of the batch is A[a_rows[i]], the
 contiguous layout): TMA cannot gather rows, so there the loader's threads copy A's tiles with cp.async,
@@ -136,6 +140,7 @@ class Meta:
     pipe_blocks: int  # fp8 with pipe_mma: K blocks per main-loop iteration (`pipe_blocks`); else 0
     quant_out: bool  # gate-up fp8: h quantized in the epilogue (block_n == 128)
     tma_store: bool  # full tiles' outputs through shared memory and a TMA store (`uses_tma_store`)
+    store_rows: bool  # tiles stored from registers go through rows of 16 bytes a thread (`uses_row_stores`)
     has_row_scale: bool
     lanes: int  # expert lanes of the tile map: a power of two >= L
     block_m: int
@@ -567,6 +572,24 @@ def _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N):
 
 
 @gluon.jit
+def _store_tile(c_ptr, acc, row0, row_end, col0, N, META: gl.constexpr):
+    """acc [rows, columns] from registers into C [R, N] at (row0, col0), its rows below row_end and columns
+    below N; with `Meta.store_rows` from a layout whose threads hold 16 contiguous bytes of a row each (acc
+    moved there through shared memory): one store instruction writes them, where the wgmma layout holds 2
+    contiguous columns a thread."""
+    if META.store_rows:
+        W: gl.constexpr = gl.num_warps()
+        VEC: gl.constexpr = 128 // c_ptr.dtype.element_ty.primitive_bitwidth
+        COLS: gl.constexpr = META.block_n // VEC  # threads along a row
+        rows: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // COLS, COLS], [W, 1], [1, 0])
+        acc = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), rows)
+    layout: gl.constexpr = acc.type.layout
+    offs_m = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_n = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    _store_masked(c_ptr, acc, offs_m, offs_n, offs_m < row_end, N)
+
+
+@gluon.jit
 def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
     """A consumer: the MMAs and the epilogue of this program's tiles CONSUMER, CONSUMER + CONSUMERS, ...
     (out: C's TMA descriptor and the shared buffer of its tiles, with `Meta.tma_store`)."""
@@ -588,7 +611,6 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
         mma: gl.constexpr = _mma_layout(TILE_M, BLOCK_N, W, BITS)
         epi: gl.constexpr = mma
     rows_l: gl.constexpr = gl.SliceLayout(1, epi)
-    cols_l: gl.constexpr = gl.SliceLayout(0, epi)
     # the tile's rows along the sums (their fp8 scales)
     sum_rows_l: gl.constexpr = gl.SliceLayout(0, mma) if META.swap else rows_l
     CONSUMERS: gl.constexpr = 2 if META.schedule == 1 else 1  # tiles a consumer steps by
@@ -644,13 +666,12 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
             acc = gl.convert_layout(gl.permute(acc, (1, 0)), epi)
         if META.has_row_scale:
             acc = acc * gl.load(row_scale_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
         if META.quant_out:
             # One scale group per column tile (block_n == 128, N a multiple of it), as `quantize_act`.
             scale = gl.div_rn(gl.maximum(gl.max(gl.abs(acc), axis=1), MIN_AMAX_C), FP8_MAX_C)
             q = gl.minimum(gl.maximum(gl.div_rn(acc, scale[:, None]), -FP8_MAX_C), FP8_MAX_C)
-            _store_masked(c_ptr, q, offs_m, offs_n, m_mask, N)
             gl.store(c_scale_ptr + offs_m.to(gl.int64) * G_C + pid_n, scale, mask=m_mask)
+            _store_tile(c_ptr, q, row0 + ROW_OFF, row_end, pid_n * BLOCK_N, N, META)
         elif META.tma_store:
             c_desc, c_smem = out
             if SPLIT:
@@ -662,9 +683,9 @@ def _ws_consume(ring, args, out, CONSUMER: gl.constexpr, META: gl.constexpr):
                 fence_async_shared()
                 _tma_store(c_desc, [row0 + ROW_OFF, pid_n * BLOCK_N], c_smem)  # columns past N: clipped by TMA
             else:
-                _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
+                _store_tile(c_ptr, acc, row0 + ROW_OFF, row_end, pid_n * BLOCK_N, N, META)
         else:
-            _store_masked(c_ptr, acc, offs_m, offs_n, m_mask, N)
+            _store_tile(c_ptr, acc, row0 + ROW_OFF, row_end, pid_n * BLOCK_N, N, META)
         j += CONSUMERS
         if META.claim:
             tile = _read_tile(ring, j * steps, META)
@@ -784,9 +805,25 @@ def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, 
     if (cfg.warp_specialize not in ("cooperative", "split") or quant_out or out.element_size() != 2
             or not _tma_ready(out)):
         return False
-    stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
-    return (cfg.num_stages * stage + cfg.block_m * cfg.block_n * 2 + swap_scratch_bytes(cfg) + 1024  # (1 KB: barriers)
+    return _ring_bytes(cfg, a_dtype, gate_up) + cfg.block_m * cfg.block_n * 2 <= SHARED_BYTES
+
+
+def uses_row_stores(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, tma_store: bool) -> bool:
+    """Whether a launch's tiles stored from registers (all of them without a TMA store) go through shared
+    memory into rows of 16 contiguous bytes a thread (`_store_tile`): without a TMA store, where a row of a
+    tile is at most 32 such pieces and the consumers' tiles in C's dtype (interleaved: two whole tiles;
+    split: two halves of one) fit beside the ring and the swapped sums' transposition."""
+    if tma_store or cfg.block_n * out.element_size() > 32 * 16:
+        return False
+    tiles = 2 if cfg.warp_specialize == "interleaved" else 1
+    return (_ring_bytes(cfg, a_dtype, gate_up) + tiles * cfg.block_m * cfg.block_n * out.element_size()
             <= SHARED_BYTES)
+
+
+def _ring_bytes(cfg, a_dtype: torch.dtype, gate_up: bool) -> int:
+    """Shared memory of the ring's stages, the swapped sums' transposition and the barriers (1 KB)."""
+    stage = (cfg.block_m + cfg.block_n * (2 if gate_up else 1)) * cfg.block_k * a_dtype.itemsize
+    return cfg.num_stages * stage + swap_scratch_bytes(cfg) + 1024
 
 
 def tma_store_block(cfg) -> list[int]:
@@ -849,6 +886,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     b_desc = TensorDescriptor.from_tensor(w.view(-1, K), b_block, gl.NVMMASharedLayout.get_default_for(b_block, dt))
     quant_out = out_scale is not None
     tma_store = uses_tma_store(cfg, a.dtype, out, gate_up, quant_out)
+    store_rows = uses_row_stores(cfg, a.dtype, out, gate_up, tma_store)
     c_desc = b_desc
     if tma_store:
         c_block = tma_store_block(cfg)
@@ -858,7 +896,7 @@ def launch(a, a_scale, w, w_scale, index_L, batched: bool, slot_rows: int, out, 
     meta = Meta(schedule=SCHEDULES[cfg.warp_specialize], batched=batched, gather=a_rows is not None,
                 gate_up=gate_up, fp8=fp8, pipe_blocks=pipe_blocks(triton.cdiv(K, cfg.block_k), gate_up)
                 if fp8 and cfg.pipe_mma else 0, quant_out=quant_out, tma_store=tma_store,
-                has_row_scale=row_scale is not None,
+                store_rows=store_rows, has_row_scale=row_scale is not None,
                 lanes=max(triton.next_power_of_2(L), _MIN_EXPERT_LANES), block_m=cfg.block_m, block_n=cfg.block_n,
                 block_k=cfg.block_k, group_m=cfg.group_m, stages=cfg.num_stages, claim=cfg.claim_tiles,
                 gdc_wait=dependent, swap=cfg.swap_ab)
