@@ -141,11 +141,11 @@ def main() -> int:
         derive(configs.table_path(), args.set, table, args.put)
         env[configs.TABLE_ENV] = str(table)
     failed = 0
+    flags = [*(["--eager"] if args.eager else []), *(["--only", args.only] if args.only else []),
+             *(["--ungathered"] if args.ungathered else [])]
     for point in args.points:
         cmd = [*shlex.split(args.wrap), sys.executable, __file__, "--worker", point, "--quant", args.quant,
-               "--experts", args.experts, "--calls", str(args.calls), "--sync-every", str(args.sync_every),
-               *(["--eager"] if args.eager else []), *(["--only", args.only] if args.only else []),
-               *(["--ungathered"] if args.ungathered else [])]
+               "--experts", args.experts, "--calls", str(args.calls), "--sync-every", str(args.sync_every), *flags]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -157,9 +157,8 @@ def main() -> int:
         result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         bad = rc != 0 or result is None or result["mismatches"] > 0
         failed += bad
-        label = " ".join([point, args.quant, args.experts, *(["eager"] if args.eager else []),
-                          *([f"only {args.only}"] if args.only else []), *(["ungathered"] if args.ungathered else []),
-                          *args.set, *args.put])
+        label = " ".join([point, args.quant, args.experts, *(flag.lstrip("-") for flag in flags), *args.set,
+                          *args.put])
         print(f"{label}: rc {rc}, {time.perf_counter() - t0:.0f} s, {json.dumps(result)}", flush=True)
         if bad or args.wrap:
             lines = [line for line in out.splitlines() if not line.startswith("RESULT ")]
