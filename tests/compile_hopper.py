@@ -166,8 +166,9 @@ def _ws_kernel(op: str, fp8: bool, cfg, gather: bool = False, pipe_blocks: int =
     b_layout = gl.NVMMASharedLayout.get_default_for(b_block, gdt)
     out = torch.empty(1, 64, dtype=torch.float8_e4m3fn if quant_out else (
         torch.float32 if gate and fp8 else torch.bfloat16))
-    tma_store = ws.uses_tma_store(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, quant_out)
-    store_rows = ws.uses_row_stores(cfg, torch.float8_e4m3fn if fp8 else torch.bfloat16, out, gate, tma_store)
+    a_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    tma_store = ws.uses_tma_store(cfg, a_dtype, out, gate, quant_out)
+    store_rows = ws.uses_row_stores(cfg, a_dtype, out, gate, tma_store)
     c_block = ws.tma_store_block(cfg)
     c_desc = (f"tensordesc<bf16{c_block},{gl.NVMMASharedLayout.get_default_for(c_block, gl.bfloat16)!r}>"
               if tma_store else f"tensordesc<{dt}{b_block},{b_layout!r}>")

@@ -809,10 +809,10 @@ def uses_tma_store(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, 
 
 
 def uses_row_stores(cfg, a_dtype: torch.dtype, out: torch.Tensor, gate_up: bool, tma_store: bool) -> bool:
-    """Whether a launch's tiles stored from registers (all of them without a TMA store) go through shared
-    memory into rows of 16 contiguous bytes a thread (`_store_tile`): without a TMA store, where a row of a
-    tile is at most 32 such pieces and the consumers' tiles in C's dtype (interleaved: two whole tiles;
-    split: two halves of one) fit beside the ring and the swapped sums' transposition."""
+    """Whether a launch stores its tiles from registers through shared memory, in rows of 16 contiguous bytes
+    a thread (`_store_tile`): where no TMA store serves its tiles, a tile's row is at most 32 such pieces and
+    the consumers' tiles in C's dtype (interleaved: two whole tiles; split: two halves of one) fit beside the
+    ring and the swapped sums' transposition."""
     if tma_store or cfg.block_n * out.element_size() > 32 * 16:
         return False
     tiles = 2 if cfg.warp_specialize == "interleaved" else 1
