@@ -18,7 +18,8 @@
 #   swap (scripts/decode_sweep.py --pool swap: both kernels' swap_ab tiles at decode sizes, against the table),
 #   ab (epmoe.bench.table_ab: bench experts and bench moe under the launch table AB_OLD names against AB_NEW,
 #   default the checkout's, or against AB_OLD with the settings AB_SET lists, e.g. "down:group_m=4", and the
-#   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces);
+#   buckets AB_PUT replaces, e.g. 'down_fp8@16={"block_m":16,...}' (JSON without spaces); or AB_OLD_CODE, a
+#   folder with another revision's epmoe package (`git archive REV epmoe | tar -x -C DIR`), against this checkout;
 #   AB_EXPERTS and AB_MOE: the benches' arguments),
 #   hunt (scripts/fault_hunt.py: 1000 calls of the fp8 block at each decode-sized point of DeepSeek-V3 and one
 #   of each other shape, back to back, in graphs and (DeepSeek-V3 256 and 512) eagerly, and 24 processes of 20
@@ -92,15 +93,16 @@ swap_sweeps() {
 }
 
 table_ab() {
-    [ -n "${AB_OLD:-}" ] || { echo "ab: AB_OLD names no launch table"; return 1; }
-    local new=() setting put; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    local old=(--old "${AB_OLD:-}") new=() setting put; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    [ -n "${AB_OLD_CODE:-}" ] && old=(--old-code "$AB_OLD_CODE")
+    [ -n "${AB_OLD:-}${AB_OLD_CODE:-}" ] || { echo "ab: neither AB_OLD nor AB_OLD_CODE is set"; return 1; }
     for setting in ${AB_SET:-}; do new+=(--set "$setting"); done
     for put in ${AB_PUT:-}; do new+=(--put "$put"); done
     # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose
-    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_experts" experts \
+    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab "${old[@]}" "${new[@]}" --out "$OUT/ab_experts" experts \
         ${AB_EXPERTS:---tokens 16 32 64 128} || return 1
     # shellcheck disable=SC2086
-    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab --old "$AB_OLD" "${new[@]}" --out "$OUT/ab_moe" moe \
+    "${LIMIT[@]}" "$PY" -m epmoe.bench.table_ab "${old[@]}" "${new[@]}" --out "$OUT/ab_moe" moe \
         ${AB_MOE:---quant bf16 fp8_block --tokens 256 1024 2048 4096}
 }
 

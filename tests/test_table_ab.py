@@ -2,6 +2,7 @@
 whole command with the bench runs replaced by a stand-in that writes JSON according to the table it is given."""
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
     old = _committed(tmp_path)
     seen = []
 
-    def fake_bench(cmd, check, env, stdout):  # a bench twice as slow under the old table
+    def fake_bench(cmd, check, env, cwd, stdout):  # a bench twice as slow under the old table
         assert cmd[:5] == [sys.executable, "-m", "epmoe.cli", "bench", "experts"] and cmd[5:7] == ["--tokens", "16"]
         table = Path(env[configs.TABLE_ENV])
         seen.append("old" if table == old.resolve() else "new")
@@ -72,6 +73,49 @@ def test_the_command_runs_each_table_in_turn(tmp_path, monkeypatch, capsys):
     assert [r["old_over_new"] for r in result["rows"]] == [2.0, 2.0]
     assert result["tables"]["new"] == str(configs.table_path().resolve())  # the table for this GPU
     assert "q t=16 triton_fp8" in capsys.readouterr().out
+
+
+def test_old_code_runs_the_other_revision_under_its_own_table(tmp_path, monkeypatch, capsys):
+    """--old-code DIR: the old runs import DIR's epmoe (DIR first on the path and the working folder) with no
+    table named, the new runs this checkout under its table; --set and --put are refused with it, as is a DIR
+    without an epmoe package."""
+    code = tmp_path / "old_tree"
+    (code / "epmoe").mkdir(parents=True)
+    (code / "epmoe" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv(configs.TABLE_ENV, str(tmp_path / "ignored.json"))
+    seen = []
+
+    def fake_bench(cmd, check, env, cwd, stdout):
+        old = cwd is not None
+        seen.append("old" if old else "new")
+        if old:
+            assert Path(cwd) == code.resolve() and configs.TABLE_ENV not in env
+            assert env["PYTHONPATH"] == os.pathsep.join([str(code.resolve()), "/elsewhere"])
+        else:
+            assert env[configs.TABLE_ENV] == str(configs.table_path().resolve()) and env["PYTHONPATH"] == "/elsewhere"
+        folder = Path(cmd[cmd.index("--out") + 1])
+        assert folder.is_absolute()
+        folder.mkdir(parents=True)
+        (folder / "moe.json").write_text(json.dumps({"points": [
+            {"shape": "q", "T": 256, "quant": "bf16", "impl": "epmoe auto", "gpu_us": 300.0 if old else 200.0,
+             "ok": True}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(table_ab.subprocess, "run", fake_bench)
+    table_ab.main(["--old-code", str(code), "--out", str(tmp_path / "ab"), "moe", "--tokens", "256"])
+    assert seen == ["old", "new", "new", "old"]
+    result = json.loads((tmp_path / "ab" / "ab.json").read_text())
+    assert result["old_code"] == str(code.resolve()) and result["tables"]["old"] is None
+    assert [r["old_over_new"] for r in result["rows"]] == [pytest.approx(1.5)]
+    capsys.readouterr()
+    monkeypatch.setattr(table_ab.subprocess, "run", lambda *a, **k: pytest.fail("ran a bench"))
+    for argv, says in ((["--old-code", str(code), "--set", "down:group_m=4"], "--set and --put"),
+                       (["--old-code", str(tmp_path)], "no epmoe package"),
+                       (["--old-code", str(code), "--old", str(code)], "not allowed with")):
+        with pytest.raises(SystemExit) as exit_:
+            table_ab.main([*argv, "--out", str(tmp_path / "ab2"), "moe"])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_the_command_refuses_a_table_that_cannot_serve_every_launch(tmp_path, monkeypatch, capsys):
@@ -129,7 +173,7 @@ def test_the_command_times_the_derived_table(tmp_path, monkeypatch, capsys):
     old = _committed(tmp_path)
     tables = []
 
-    def fake_bench(cmd, check, env, stdout):
+    def fake_bench(cmd, check, env, cwd, stdout):
         tables.append(Path(env[configs.TABLE_ENV]))
         folder = Path(cmd[cmd.index("--out") + 1])
         folder.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Time the expert kernels under one launch table against another, on one GPU.
+"""Time the expert kernels under one launch table (or revision of the code) against another, on one GPU.
 
 `epmoe bench experts` or `epmoe bench moe` runs again and again, each run in its own process with
 `EPMOE_GEMM_TABLE` naming one of the two tables, in the order old new new old (old new per round, the
@@ -11,6 +11,11 @@ far a ratio can be trusted; writes the runs' JSON and ab.json under --out.
     python -m epmoe.bench.table_ab --old OLD.json moe --quant bf16 --tokens 2048 4096
     python -m epmoe.bench.table_ab --old OLD.json --set down:group_m=4 experts --tokens 16
     python -m epmoe.bench.table_ab --old OLD.json --put 'down_fp8@16={"block_m": 16, ...}' moe --tokens 128
+    python -m epmoe.bench.table_ab --old-code DIR moe --quant bf16 --tokens 4096
+
+--old-code DIR compares code rather than tables: the old runs import the epmoe package in DIR (another
+revision's: `git archive REV epmoe | tar -x -C DIR`) under that revision's own table for the GPU, the new
+runs this checkout.
 
 NEW defaults to the checkout's table for the GPU (epmoe/kernels/configs*.json, `configs.table_path`); with
 --set, NEW is OLD with one field of every config in the entries whose key begins with a prefix set to a
@@ -118,7 +123,10 @@ def compare(runs: list[tuple[str, dict[str, float]]]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.table_ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--old", required=True, type=Path, help="the launch table to compare against")
+    old = p.add_mutually_exclusive_group(required=True)
+    old.add_argument("--old", type=Path, help="the launch table to compare against")
+    old.add_argument("--old-code", type=Path, metavar="DIR", help="a folder holding another revision's epmoe "
+                     "package: the old runs import it, under its own launch table for the GPU")
     new = p.add_mutually_exclusive_group()
     new.add_argument("--new", type=Path, help="the launch table to try (default: the checkout's table for this "
                      "GPU, `configs.table_path`)")
@@ -133,7 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     order = schedule(args.rounds)
     try:  # refuse a table that cannot serve every launch before any run
-        configs._table(args.old.resolve())
+        if args.old_code:
+            if args.set or args.put:
+                raise ValueError("--set and --put derive NEW from the table --old names, not from --old-code")
+            if not (args.old_code / "epmoe" / "__init__.py").is_file():
+                raise ValueError(f"--old-code {args.old_code}: no epmoe package there")
+        else:
+            configs._table(args.old.resolve())
         if args.new and args.put:
             raise ValueError("--put derives NEW from OLD: give --new or --put, not both")
         new_table = (derive(args.old, args.set or [], args.out / "new.json", args.put or []) if args.set or args.put
@@ -141,14 +155,21 @@ def main(argv: list[str] | None = None) -> None:
         configs._table(new_table.resolve())
     except ValueError as exc:
         p.error(str(exc))
-    tables = {"old": args.old.resolve(), "new": new_table.resolve()}
+    code = args.old_code.resolve() if args.old_code else None
+    tables = {"old": None if code else args.old.resolve(), "new": new_table.resolve()}
     runs, bad = [], set()
     for i, tag in enumerate(order):
-        folder = args.out / f"{i}_{tag}"
+        folder = (args.out / f"{i}_{tag}").resolve()
         cmd = [sys.executable, "-m", "epmoe.cli", "bench", args.bench, *args.args, "--out", str(folder)]
-        print(f"# run {i + 1}/{len(order)}, {tag} table: {' '.join(cmd)}", flush=True)
-        subprocess.run(cmd, check=True, env={**os.environ, configs.TABLE_ENV: str(tables[tag])},
-                       stdout=subprocess.DEVNULL)
+        print(f"# run {i + 1}/{len(order)}, {tag}: {' '.join(cmd)}", flush=True)
+        env = {k: v for k, v in os.environ.items() if k != configs.TABLE_ENV}
+        cwd = None
+        if tables[tag] is not None:
+            env[configs.TABLE_ENV] = str(tables[tag])
+        else:  # the other revision's package first on the path (`-m` puts the working folder first)
+            env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, [os.environ.get("PYTHONPATH")])])
+            cwd = code
+        subprocess.run(cmd, check=True, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
         got, over = times(args.bench, json.loads((folder / BENCHES[args.bench]).read_text()))
         runs.append((tag, got))
         bad.update(f"{n} ({tag})" for n in over)
@@ -158,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{r['spread']:.3f}"] for r in rows]))
     if bad:
         print("over tolerance: " + ", ".join(sorted(bad)))
-    (args.out / "ab.json").write_text(json.dumps({"tables": {k: str(v) for k, v in tables.items()}, "order": order,
+    (args.out / "ab.json").write_text(json.dumps({"tables": {k: v and str(v) for k, v in tables.items()},
+                                                  "old_code": code and str(code), "order": order,
                                                   "bench": args.bench, "args": args.args, "rows": rows,
                                                   "over_tolerance": sorted(bad)}, indent=1) + "\n")
     if bad:
