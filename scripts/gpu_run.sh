@@ -93,9 +93,10 @@ swap_sweeps() {
 }
 
 table_ab() {
-    local old=(--old "${AB_OLD:-}") new=() setting put; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
-    [ -n "${AB_OLD_CODE:-}" ] && old=(--old-code "$AB_OLD_CODE")
-    [ -n "${AB_OLD:-}${AB_OLD_CODE:-}" ] || { echo "ab: neither AB_OLD nor AB_OLD_CODE is set"; return 1; }
+    local old=() new=() setting put; [ -n "${AB_NEW:-}" ] && new=(--new "$AB_NEW")
+    [ -n "${AB_OLD:-}" ] && old+=(--old "$AB_OLD")  # (both set: table_ab refuses)
+    [ -n "${AB_OLD_CODE:-}" ] && old+=(--old-code "$AB_OLD_CODE")
+    [ ${#old[@]} -gt 0 ] || { echo "ab: neither AB_OLD nor AB_OLD_CODE is set"; return 1; }
     for setting in ${AB_SET:-}; do new+=(--set "$setting"); done
     for put in ${AB_PUT:-}; do new+=(--put "$put"); done
     # shellcheck disable=SC2086  # the benches' arguments, word-split on purpose
